@@ -1,0 +1,16 @@
+import os
+
+import pytest
+import torch
+
+# Keep CPU runs reproducible and inside the 2-core CI budget.
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device; run `pytest -m gpu` on the GPU box")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
