@@ -1,0 +1,57 @@
+"""Pure-torch implementation of the fused modulation, on any device.
+
+It performs the eager graph's operations in the eager order, rounding to the activation dtype ``A``
+exactly where ``Rounding`` says, so on the CPU under the ``bf16`` policy it is bit-identical to the
+unfused model (the norm with one rounding *is* ``F.rms_norm``, as ``nn.RMSNorm`` calls it). Used for
+CPU tensors, for devices Triton must not be launched on, and as the test oracle of the kernels.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .contract import ModulationArgs
+
+f32 = torch.float32
+
+
+def _round(v: torch.Tensor, dtype: torch.dtype, rounds: bool) -> torch.Tensor:
+    return v.to(dtype).to(f32) if rounds else v
+
+
+def gated_residual(a: ModulationArgs) -> torch.Tensor:
+    """``u = R_A(res + [R_A](gate[idx] * branch))`` as fp32 values."""
+    gate_rows = a.gate.index_select(0, a.index.long()).to(f32)
+    product = _round(gate_rows * a.branch.to(f32), a.dtype, a.rounding.gate_product)
+    return _round(a.residual.to(f32) + product, a.dtype, True)
+
+
+def rms_norm(u: torch.Tensor, a: ModulationArgs) -> torch.Tensor:
+    """``n`` as fp32 values: ``R_A(u*r*w)``, ``R_A(R_A(u*r)*w)`` or unrounded, ``r = rsqrt(mean(u^2)+eps)``."""
+    r = a.rounding
+    if r.norm_output and not r.norm_before_weight:
+        return F.rms_norm(u.to(a.dtype), (a.hidden,), a.weight, a.eps).to(f32)
+    normed = u * torch.rsqrt(u.pow(2).mean(-1, keepdim=True) + a.eps)
+    if a.weight is None:
+        return _round(normed, a.dtype, r.norm_output)
+    normed = _round(normed, a.dtype, r.norm_before_weight)
+    return _round(normed * a.weight.to(f32), a.dtype, r.norm_output)
+
+
+def modulate(n: torch.Tensor, a: ModulationArgs) -> torch.Tensor:
+    """``y = R_A([R_A](n * [R_A](1 + scale[idx])) + shift[idx])`` in the activation dtype."""
+    idx = a.index.long()
+    one_plus = _round(1.0 + a.scale.index_select(0, idx).to(f32), a.dtype, a.rounding.affine)
+    product = _round(n * one_plus, a.dtype, a.rounding.affine)
+    return (product + a.shift.index_select(0, idx).to(f32)).to(a.dtype)
+
+
+def reference_modulation(a: ModulationArgs) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``(u, y)`` for the site ``a`` describes: A gives ``(None, y)``, B ``(u, y)``, C ``(u, None)``."""
+    u = gated_residual(a) if a.gate is not None else None
+    if a.scale is None:
+        return u.to(a.dtype).view(a.out_shape), None
+    n = rms_norm(u if u is not None else a.x.to(f32), a)
+    y = modulate(n, a).view(a.out_shape)
+    return (u.to(a.dtype).view(a.out_shape) if u is not None else None), y

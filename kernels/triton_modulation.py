@@ -1,0 +1,170 @@
+"""One parameterised Triton kernel for the three modulation sites, and its launcher.
+
+Per row ``t`` (``i = index[t]``, all arithmetic in fp32, ``R`` = round to the activation dtype):
+
+    site B/C:  g = gate[i] * branch            (R if ROUND_GATE; a non-contractible multiply)
+               u = R(residual + g)             -> stored (B, C)
+    site A:    u = x
+    site A/B:  r = rsqrt(sum(u*u) * (1/H) + eps)
+               n = u * r                       (R if ROUND_NORM_BEFORE_WEIGHT, then * w if HAS_WEIGHT)
+               n = R(n) if ROUND_NORM
+               p = 1 + scale[i]                (R if ROUND_AFFINE)
+               q = n * p                       (R if ROUND_AFFINE; non-contractible)
+               y = R(q + shift[i])             -> stored (A, B)
+
+Multiplies feeding an add use ``mul.rn.f32`` so that the compiler cannot contract them into an FMA
+(which would remove the fp32 rounding eager performs). Under the interpreter (``PORTABLE``), rounding
+to bf16 is done on the bits (the interpreter truncates conversions) and the multiplies are plain.
+An out-of-range index never reads out of bounds (it is clamped for the load) and, on the GPU, stops
+the kernel with a device-side trap after printing the offending row.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from .contract import ModulationArgs
+
+MAX_BLOCK_H = 32768
+
+
+@triton.jit
+def _rounded(v, dtype: tl.constexpr, PORTABLE: tl.constexpr):
+    """``v`` (fp32) rounded to nearest even in ``dtype``, as fp32."""
+    if PORTABLE and dtype == tl.bfloat16:
+        bits = v.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return tl.where(v != v, v, bits.to(tl.float32, bitcast=True))
+    return v.to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _mul_rn(a, b, PORTABLE: tl.constexpr):
+    """``a * b`` rounded once in fp32, never contracted with a following add."""
+    if PORTABLE:
+        return a * b
+    return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.float32,
+                                     is_pure=True, pack=1)
+
+
+@triton.jit
+def _rsqrt(v, PORTABLE: tl.constexpr):
+    """CUDA's ``rsqrtf`` (what eager ``torch.rsqrt`` calls); the interpreter has no libdevice."""
+    if PORTABLE:
+        return tl.rsqrt(v)
+    return libdevice.rsqrt(v)
+
+
+@triton.jit
+def _trap_if_any(bad, rows, num_table_rows):
+    if tl.max(bad.to(tl.int32), axis=0) > 0:
+        tl.device_print("h3_fused: index out of range [0, K) at row / K", rows, num_table_rows)
+        tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.s32 p, $1, 0; @p trap; mov.b32 $0, $1; }",
+                                  "=r,r", [bad.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def modulation_kernel(
+    x_ptr, res_ptr, branch_ptr, gate_ptr, w_ptr, shift_ptr, scale_ptr, idx_ptr, u_ptr, y_ptr,
+    n_rows, hidden, num_table_rows, eps, inv_hidden,
+    stride_x, stride_res, stride_branch, stride_gate, stride_shift, stride_scale,
+    HAS_GATE: tl.constexpr, HAS_NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+    ROUND_GATE: tl.constexpr, ROUND_NORM: tl.constexpr, ROUND_NORM_BEFORE_WEIGHT: tl.constexpr,
+    ROUND_AFFINE: tl.constexpr, PORTABLE: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    out_ptr = u_ptr if HAS_GATE else y_ptr
+    act: tl.constexpr = out_ptr.dtype.element_ty
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.arange(0, BLOCK_H)
+    row_ok = rows < n_rows
+    mask = row_ok[:, None] & (cols < hidden)[None, :]
+    idx = tl.load(idx_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+    bad = row_ok & ((idx < 0) | (idx >= num_table_rows))
+    if not PORTABLE:
+        _trap_if_any(bad, rows, num_table_rows)
+    idx = tl.where(bad, 0, idx)
+    out_offsets = rows[:, None] * hidden + cols[None, :]
+
+    if HAS_GATE:
+        res = tl.load(res_ptr + rows[:, None] * stride_res + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        branch = tl.load(branch_ptr + rows[:, None] * stride_branch + cols[None, :], mask=mask,
+                         other=0.0).to(tl.float32)
+        gate = tl.load(gate_ptr + idx[:, None] * stride_gate + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        g = _mul_rn(gate, branch, PORTABLE)
+        if ROUND_GATE:
+            g = _rounded(g, act, PORTABLE)
+        u = _rounded(res + g, act, PORTABLE)
+        tl.store(u_ptr + out_offsets, u.to(act), mask=mask)
+    else:
+        u = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+
+    if HAS_NORM:
+        r = _rsqrt(tl.sum(u * u, axis=1) * inv_hidden + eps, PORTABLE)
+        n = u * r[:, None]
+        if HAS_WEIGHT:
+            w = tl.load(w_ptr + cols, mask=cols < hidden, other=0.0).to(tl.float32)
+            if ROUND_NORM_BEFORE_WEIGHT:
+                n = _rounded(n, act, PORTABLE)
+            n = n * w[None, :]
+        if ROUND_NORM:
+            n = _rounded(n, act, PORTABLE)
+        scale = tl.load(scale_ptr + idx[:, None] * stride_scale + cols[None, :], mask=mask, other=0.0)
+        shift = tl.load(shift_ptr + idx[:, None] * stride_shift + cols[None, :], mask=mask, other=0.0)
+        p = 1.0 + scale.to(tl.float32)
+        if ROUND_AFFINE:
+            p = _rounded(p, act, PORTABLE)
+        q = _mul_rn(n, p, PORTABLE)
+        if ROUND_AFFINE:
+            q = _rounded(q, act, PORTABLE)
+        y = q + shift.to(tl.float32)
+        tl.store(y_ptr + out_offsets, _rounded(y, act, PORTABLE).to(act), mask=mask)
+
+
+def launch_config(hidden: int) -> tuple[int, int, int]:
+    """``(BLOCK_T, BLOCK_H, num_warps)``: whole rows in registers, at least 2K elements per program."""
+    block_h = triton.next_power_of_2(hidden)
+    if block_h > MAX_BLOCK_H:
+        raise ValueError(f"H={hidden} exceeds the kernel's limit of {MAX_BLOCK_H}")
+    block_t = max(1, 2048 // block_h)
+    num_warps = max(1, min(16, block_t * block_h // 1024))
+    return block_t, block_h, num_warps
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def launch_modulation(a: ModulationArgs, u: torch.Tensor | None, y: torch.Tensor | None, wrap) -> None:
+    """Run ``modulation_kernel`` for ``a`` into ``u``/``y`` (``wrap`` = ``torch.library.wrap_triton``).
+
+    Arguments a site does not use are passed as an alias of one it does; the kernel never reads them.
+    """
+    block_t, block_h, num_warps = launch_config(a.hidden)
+    rows_alias = a.x if a.x is not None else a.residual
+    table_alias = a.gate if a.gate is not None else a.scale
+
+    def rows_or_alias(t):
+        return rows_alias if t is None else t
+
+    def table_or_alias(t):
+        return table_alias if t is None else t
+
+    x, res, branch = rows_or_alias(a.x), rows_or_alias(a.residual), rows_or_alias(a.branch)
+    gate, shift, scale = table_or_alias(a.gate), table_or_alias(a.shift), table_or_alias(a.scale)
+    r = a.rounding
+    wrap(modulation_kernel)[(triton.cdiv(a.rows, block_t),)](
+        x, res, branch, gate, table_or_alias(a.weight), shift, scale, a.index,
+        y if u is None else u, u if y is None else y,
+        a.rows, a.hidden, a.num_table_rows, a.eps, 1.0 / a.hidden,
+        x.stride(0), res.stride(0), branch.stride(0), gate.stride(0), shift.stride(0), scale.stride(0),
+        HAS_GATE=a.gate is not None, HAS_NORM=a.scale is not None, HAS_WEIGHT=a.weight is not None,
+        ROUND_GATE=r.gate_product, ROUND_NORM=r.norm_output, ROUND_NORM_BEFORE_WEIGHT=r.norm_before_weight,
+        ROUND_AFFINE=r.affine, PORTABLE=interpreting(),
+        BLOCK_T=block_t, BLOCK_H=block_h, num_warps=num_warps,
+    )
