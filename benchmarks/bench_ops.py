@@ -1,0 +1,115 @@
+"""Op-level benchmark of the modulation sites on a CUDA GPU (one JSON object per row).
+
+    python benchmarks/bench_ops.py --out benchmarks/results/ops.json [--sweep]
+
+Variants, measured side by side in one process: eager, Inductor default, Inductor with
+``emulate_precision_casts``, the fused op under ``fp32`` and ``bf16``, and the ``bf16`` op inside a
+compiled graph. Time: median of ``triton.testing.do_bench`` (L2 flushed before each repetition).
+``roof_gbs`` is the device-to-device copy bandwidth measured in the same run; ``mismatch`` the share of
+output elements not bit-identical to eager (for site B: of ``y``; ``mismatch_u`` of the residual).
+``--sweep`` also times the fused ``bf16`` op over launch configurations (BLOCK_T, num_warps).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+import triton
+from triton.testing import do_bench
+
+sys.path.insert(0, os.path.dirname(__file__))
+from sites import SITES, eager_site, fused_site, make_inputs, minimal_bytes  # noqa: E402
+
+TOKENS = (3072, 15808, 63232)
+HIDDEN = 5376
+
+
+def copy_bandwidth() -> float:
+    src = torch.empty(2 * 1024**3 // 2, dtype=torch.bfloat16, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    ms = do_bench(lambda: dst.copy_(src), return_mode="median")
+    return 2 * src.numel() * src.element_size() / ms / 1e6
+
+
+def mismatch(got, ref) -> float:
+    return (got.view(torch.int16) != ref.view(torch.int16)).float().mean().item()
+
+
+def variants(site: str):
+    eager = eager_site(site)
+    yield "eager", eager
+    yield "inductor", torch.compile(eager, dynamic=False)
+    yield "inductor_epc", torch.compile(eager, dynamic=False, options={"emulate_precision_casts": True})
+    yield "h3_fused_fp32", fused_site(site, "fp32")
+    yield "h3_fused_bf16", fused_site(site, "bf16")
+    yield "h3_fused_bf16_in_graph", torch.compile(fused_site(site, "bf16"), dynamic=False)
+
+
+def outputs(site, result):
+    return result if site == "B" else (None, result) if site == "A" else (result, None)
+
+
+def run(args) -> list[dict]:
+    roof = copy_bandwidth()
+    print(f"copy bandwidth {roof:.0f} GB/s on {torch.cuda.get_device_name()}", flush=True)
+    rows = []
+    for site in SITES:
+        for tokens in TOKENS:
+            inputs = make_inputs(site, tokens, HIDDEN)
+            ref_u, ref_y = outputs(site, eager_site(site)(**inputs))
+            nbytes = minimal_bytes(site, tokens, HIDDEN)
+            for name, fn in variants(site):
+                u, y = outputs(site, fn(**inputs))
+                ms = do_bench(lambda fn=fn: fn(**inputs), return_mode="median")
+                gbs = nbytes / ms / 1e6
+                row = dict(site=site, T=tokens, H=HIDDEN, variant=name, ms=ms, us=ms * 1e3, gbs=gbs,
+                           roof_gbs=roof, roof_share=gbs / roof,
+                           mismatch=mismatch(y, ref_y) if y is not None else mismatch(u, ref_u),
+                           mismatch_u=mismatch(u, ref_u) if u is not None else None)
+                rows.append(row)
+                print(f"{site} T={tokens:6d} {name:24s} {row['us']:9.1f} us {gbs:7.0f} GB/s "
+                      f"{100 * row['roof_share']:5.1f}%  mismatch {row['mismatch']:.2e}", flush=True)
+            if args.sweep and tokens == 15808:
+                rows += sweep(site, tokens, inputs, nbytes, roof)
+    return rows
+
+
+def sweep(site, tokens, inputs, nbytes, roof) -> list[dict]:
+    from h3_fused.kernels import triton_modulation as tm
+
+    original = tm.launch_config
+    rows = []
+    try:
+        for block_t in (1, 2, 4):
+            for warps in (4, 8, 16, 32):
+                tm.launch_config = lambda h, bt=block_t, w=warps: (bt, triton.next_power_of_2(h), w)
+                fn = fused_site(site, "bf16")
+                ms = do_bench(lambda fn=fn: fn(**inputs), return_mode="median")
+                gbs = nbytes / ms / 1e6
+                rows.append(dict(site=site, T=tokens, variant=f"sweep_bt{block_t}_w{warps}", ms=ms,
+                                 gbs=gbs, roof_gbs=roof, roof_share=gbs / roof, mismatch=None))
+                print(f"   sweep BLOCK_T={block_t} warps={warps:2d}: {ms * 1e3:8.1f} us "
+                      f"{100 * gbs / roof:5.1f}%", flush=True)
+    finally:
+        tm.launch_config = original
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="benchmarks/results/ops.json")
+    parser.add_argument("--sweep", action="store_true")
+    args = parser.parse_args()
+    rows = run(args)
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)
+    with open(args.out, "w") as f:
+        json.dump([dict(meta, **r) for r in rows], f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

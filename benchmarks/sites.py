@@ -1,0 +1,67 @@
+"""The three modulation sites written as the unfused model writes them, and their inputs.
+
+Shared by the op benchmark and the GPU tests: ``eager_site(kind)`` is the eager function a fused op
+replaces; ``make_inputs`` builds real-size inputs (strided ``[K, H]`` chunk views, int64 index).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+SITES = ("A", "B", "C")
+
+
+def eager_a(x, weight, shift, scale, index, eps):
+    n = F.rms_norm(x, (x.shape[-1],), weight, eps)
+    return (n * (1.0 + scale.index_select(0, index)) + shift.index_select(0, index)).to(x.dtype)
+
+
+def eager_b(residual, gate, branch, weight, shift, scale, index, eps):
+    u = (residual + gate.index_select(0, index) * branch).to(residual.dtype)
+    return u, eager_a(u, weight, shift, scale, index, eps)
+
+
+def eager_c(residual, gate, branch, index):
+    return (residual + gate.index_select(0, index) * branch).to(residual.dtype)
+
+
+def make_inputs(site: str, tokens: int, hidden: int = 5376, table_rows: int = 6, *, device="cuda",
+                dtype=torch.bfloat16, seed: int = 0):
+    g = torch.Generator(device=device).manual_seed(seed)
+
+    def randn(*shape, scale=1.0):
+        return torch.randn(*shape, generator=g, device=device, dtype=torch.float32).mul_(scale).to(dtype)
+
+    tables = randn(table_rows, 6 * hidden, scale=0.3).chunk(6, dim=-1)  # row stride 6H, as in the model
+    index = torch.randint(0, table_rows, (tokens,), generator=g, device=device)
+    weight = 1.0 + randn(hidden, scale=0.1)
+    x, branch = randn(tokens, hidden), randn(tokens, hidden)
+    if site == "A":
+        return dict(x=x, weight=weight, shift=tables[0], scale=tables[1], index=index, eps=1e-5)
+    if site == "B":
+        return dict(residual=x, gate=tables[2], branch=branch, weight=weight, shift=tables[0],
+                    scale=tables[1], index=index, eps=1e-5)
+    return dict(residual=x, gate=tables[2], branch=branch, index=index)
+
+
+def eager_site(site: str):
+    return {"A": eager_a, "B": eager_b, "C": eager_c}[site]
+
+
+def fused_site(site: str, policy: str):
+    from h3_fused.kernels import gate_norm_modulate, gate_residual, norm_modulate
+
+    if site == "A":
+        return lambda x, weight, shift, scale, index, eps: norm_modulate(
+            x, weight, shift, scale, index, eps=eps, policy=policy)
+    if site == "B":
+        return lambda residual, gate, branch, weight, shift, scale, index, eps: gate_norm_modulate(
+            residual, gate, branch, weight, shift, scale, index, eps=eps, policy=policy)
+    return lambda residual, gate, branch, index: gate_residual(residual, gate, branch, index, policy=policy)
+
+
+def minimal_bytes(site: str, tokens: int, hidden: int, itemsize: int = 2) -> int:
+    """Each activation read once and each output written once (tables and index are negligible)."""
+    streams = {"A": 2, "B": 4, "C": 3}[site]
+    return streams * tokens * hidden * itemsize

@@ -1,0 +1,85 @@
+"""GPU suite for the fused ops (``pytest -m gpu`` on the H200): real sizes, bit-exactness, bad indices."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+from sites import eager_site, fused_site, make_inputs  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+
+def _diff(got, ref):
+    return (got.view(torch.int16) != ref.view(torch.int16)).float().mean().item()
+
+
+@pytest.mark.parametrize("tokens", [1, 3072, 15808, 63232])
+@pytest.mark.parametrize("site", ["A", "B", "C"])
+def test_bf16_policy_matches_eager_at_real_size(site, tokens):
+    inputs = make_inputs(site, tokens, seed=tokens)
+    ref = eager_site(site)(**inputs)
+    got = fused_site(site, "bf16")(**inputs)
+    if site == "B":
+        assert torch.equal(got[0], ref[0]), "the stored residual must be bit-identical"
+        assert _diff(got[1], ref[1]) <= 1e-5
+    elif site == "C":
+        assert torch.equal(got, ref)
+    else:
+        assert _diff(got, ref) <= 1e-5
+
+
+@pytest.mark.parametrize("hidden", [64, 200, 5376, 16384])
+def test_bf16_policy_non_power_of_two_hidden(hidden):
+    inputs = make_inputs("B", 257, hidden)
+    ref_u, ref_y = eager_site("B")(**inputs)
+    u, y = fused_site("B", "bf16")(**inputs)
+    assert torch.equal(u, ref_u) and _diff(y, ref_y) <= 1e-4
+
+
+def test_fp32_policy_error_no_larger_than_eager():
+    inputs = make_inputs("B", 4096)
+    exact = {k: (v.double() if torch.is_tensor(v) and v.is_floating_point() else v) for k, v in inputs.items()}
+    ref_u, _ = eager_site("B")(**inputs)
+    # fp64 reference of y from the stored (rounded) residual, as the policy defines
+    y64 = eager_site("A")(ref_u.double(), exact["weight"], exact["shift"], exact["scale"], inputs["index"], 1e-5)
+    _, y_eager = eager_site("B")(**inputs)
+    u, y = fused_site("B", "fp32")(**inputs)
+    assert torch.equal(u, ref_u)
+    assert (y.double() - y64).abs().mean() <= (y_eager.double() - y64).abs().mean()
+
+
+def test_in_compiled_graph_matches_bare_op():
+    inputs = make_inputs("B", 3072)
+    bare = fused_site("B", "bf16")(**inputs)
+    compiled = torch.compile(fused_site("B", "bf16"))(**inputs)
+    assert torch.equal(bare[0], compiled[0]) and torch.equal(bare[1], compiled[1])
+
+
+def test_out_of_range_index_traps_with_a_message():
+    code = (
+        "import torch, sys; sys.path.insert(0, 'benchmarks'); from sites import make_inputs, fused_site\n"
+        "inp = make_inputs('A', 64); inp['index'][17] = 6\n"
+        "fused_site('A', 'bf16')(**inp); torch.cuda.synchronize()\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          cwd=os.path.join(os.path.dirname(__file__), ".."))
+    assert proc.returncode != 0
+    assert "index out of range" in proc.stdout + proc.stderr
+
+
+def test_opcheck_on_cuda():
+    inputs = make_inputs("B", 33, 320)
+    a = make_inputs("A", 33, 320)
+    c = make_inputs("C", 33, 320)
+    torch.library.opcheck(torch.ops.h3_fused.gate_norm_modulate.default,
+                          tuple(inputs[k] for k in ("residual", "gate", "branch", "weight", "shift", "scale",
+                                                    "index")), dict(eps=1e-5, policy="bf16"))
+    torch.library.opcheck(torch.ops.h3_fused.norm_modulate.default,
+                          tuple(a[k] for k in ("x", "weight", "shift", "scale", "index")),
+                          dict(eps=1e-5, policy="fp32"))
+    torch.library.opcheck(torch.ops.h3_fused.gate_residual.default,
+                          tuple(c[k] for k in ("residual", "gate", "branch", "index")), dict(policy="bf16"))
