@@ -1,1 +1,12 @@
-"""placeholder"""
+"""Search/replace of the AdaLN modulation sites in post-grad FX graphs (no kernel internals here)."""
+
+from .graph_view import NoMatch
+from .replacements import OP_NAMES, replace_site
+from .sites import (
+    Site, gate_residual_site, is_affine_candidate, is_gated_candidate, merge_gate_and_norm, norm_modulate_site,
+)
+
+__all__ = [
+    "OP_NAMES", "NoMatch", "Site", "gate_residual_site", "is_affine_candidate", "is_gated_candidate",
+    "merge_gate_and_norm", "norm_modulate_site", "replace_site",
+]

@@ -1,0 +1,114 @@
+"""``H3FusionPass``: the Inductor post-grad pass that fuses every modulation site it can prove.
+
+Order: find site-A outputs and site-C outputs, merge each C whose stored residual feeds an A into one
+B-shaped site, then replace. Candidates that fail a check are left untouched and logged with the
+reason. The pass is a ``CustomGraphPass`` whose ``uuid()`` hashes the pattern, kernel and pass sources
+and the options, so the FX graph cache stays on and a change of any of them misses.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import pathlib
+import time
+
+import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+from torch.fx import Graph
+
+import h3_fused.kernels as kernels_pkg
+import h3_fused.patterns as patterns_pkg
+from h3_fused.kernels.policy import resolve_policy
+from h3_fused.patterns import (
+    OP_NAMES, NoMatch, gate_residual_site, is_affine_candidate, is_gated_candidate, merge_gate_and_norm,
+    norm_modulate_site, replace_site,
+)
+from h3_fused.patterns.graph_view import device_of
+
+from .logs import count, log
+from .options import FusionOptions
+
+
+def _sources() -> tuple[str, ...]:
+    roots = [pathlib.Path(p.__file__).parent for p in (kernels_pkg, patterns_pkg)]
+    roots.append(pathlib.Path(__file__).parent)
+    return tuple(sorted(str(f) for root in roots for f in root.glob("*.py")))
+
+
+class H3FusionPass(CustomGraphPass):
+    """Fuse the AdaLN modulation sites of a post-grad graph; then run ``chained`` (a pass the user set)."""
+
+    def __init__(self, options: FusionOptions = FusionOptions(), chained=None):
+        self.options = options
+        self.chained = chained
+
+    def __call__(self, graph: Graph) -> None:
+        start = time.perf_counter()
+        fused = self.fuse(graph)
+        if fused:
+            graph.lint()
+        log.debug("h3_fused: %d site(s) fused in %.1f ms", fused, 1e3 * (time.perf_counter() - start))
+        if self.chained is not None:
+            self.chained(graph)
+
+    def fuse(self, graph: Graph) -> int:
+        a_sites, c_sites = {}, {}
+        for node in graph.nodes:
+            if node.op != "call_function":
+                continue
+            if is_affine_candidate(node):
+                self._try(node, norm_modulate_site, a_sites)
+            elif is_gated_candidate(node):
+                self._try(node, gate_residual_site, c_sites)
+        sites = []
+        merged_c = set()
+        for a in a_sites.values():
+            c = c_sites.get(a.inputs["x"])
+            if c is not None:
+                try:
+                    sites.append(merge_gate_and_norm(c, a))
+                    merged_c.add(c.outputs[0])
+                    continue
+                except NoMatch as why:
+                    log.debug("h3_fused: not merging %s into %s: %s", c.outputs[0], a.outputs[0], why)
+            sites.append(a)
+        sites += [c for u, c in c_sites.items() if u not in merged_c]
+        fused = 0
+        renamed = {}  # outputs of replaced sites -> the fused op's outputs (inputs of later sites)
+        for site in sites:
+            site.inputs = {k: renamed.get(v, v) for k, v in site.inputs.items()}
+            policy = resolve_policy(self.options.dtype_policy, device_of(site.lead))
+            try:
+                new_outputs = replace_site(graph, site, policy)
+            except NoMatch as why:
+                self._refuse(site.outputs[-1], why)
+                continue
+            renamed.update(zip(site.outputs, new_outputs))
+            fused += 1
+            count(OP_NAMES[site.kind])
+            log.debug("h3_fused: fused site %s at %s as h3_fused::%s (policy %s)", site.kind,
+                      ", ".join(map(str, site.outputs)), OP_NAMES[site.kind], policy)
+        return fused
+
+    def _try(self, node, matcher, found: dict) -> None:
+        try:
+            site = matcher(node)
+        except NoMatch as why:
+            self._refuse(node, why)
+            return
+        found[site.outputs[0]] = site
+
+    @staticmethod
+    def _refuse(node, why) -> None:
+        count("refused")
+        log.debug("h3_fused: refused candidate %s: %s", node, why)
+
+    def uuid(self) -> bytes | None:
+        chained = None
+        if self.chained is not None:
+            chained = self.chained.uuid() if hasattr(self.chained, "uuid") else None
+            if chained is None:
+                return None  # an opaque user pass: caching would be unsafe
+        digest = hashlib.sha256(get_hash_for_files(_sources()))
+        digest.update(repr((self.options, torch.__version__, chained)).encode())
+        return digest.digest()

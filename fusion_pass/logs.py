@@ -1,0 +1,29 @@
+"""The ``h3_fused`` logger (``TORCH_LOGS="+h3_fused"`` or ``torch._logging.set_logs``) and counters.
+
+Every replacement counts in ``torch._dynamo.utils.counters["h3_fused"]`` under the fused op's name;
+refused candidates count under ``"refused"`` and are logged at DEBUG with the reason.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch._logging._internal as torch_logging
+from torch._dynamo.utils import counters
+
+LOG_NAME = "h3_fused"
+log = logging.getLogger(LOG_NAME)
+
+
+def _register() -> None:
+    torch_logging.register_log(LOG_NAME, LOG_NAME)
+    if os.environ.get("TORCH_LOGS"):
+        torch_logging._init_logs()  # re-read TORCH_LOGS now that our name is known
+
+
+_register()
+
+
+def count(key: str, n: int = 1) -> None:
+    counters[LOG_NAME][key] += n

@@ -1,0 +1,81 @@
+"""Replace side: put one ``torch.ops.h3_fused`` call where a matched site was.
+
+The replacement function is traced under functionalization, so a ``triton_op`` decomposes into its
+Triton kernel call (inlined by Inductor) on CUDA, and into the opaque pure-torch op on the CPU. The
+traced nodes are spliced in after the site's last input and before the first outside use of its
+outputs; the site's interior nodes are then erased.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch._inductor.pattern_matcher import fwd_only
+from torch._subclasses.functional_tensor import dispatch_functionalize
+from torch.fx import Graph, Node
+
+from .graph_view import NoMatch, expect
+from .sites import Site
+
+OP_NAMES = {"A": "norm_modulate", "B": "gate_norm_modulate", "C": "gate_residual"}
+
+
+def replacement_fn(site: Site, policy: str):
+    """``(fn, input_nodes)``: ``fn(*inputs)`` returns the site's outputs through the fused op."""
+    names = [k for k, v in site.inputs.items() if v is not None]
+    ops = torch.ops.h3_fused
+    flags = dict(policy=policy, upcast_tables=site.upcast_tables)
+    norm_flags = dict(flags, eps=site.eps, norm_rounds_before_weight=site.norm_rounds_before_weight)
+
+    def fn(*tensors):
+        t = dict(zip(names, tensors))
+        lead = t["x"] if site.kind == "A" else t["residual"]
+        index, weight = t["index"].reshape(lead.shape[:-1]), t.get("weight")
+        if site.kind == "A":
+            return (ops.norm_modulate(lead, weight, t["shift"], t["scale"], index, **norm_flags),)
+        if site.kind == "B":
+            return ops.gate_norm_modulate(lead, t["gate"], t["branch"], weight, t["shift"], t["scale"], index,
+                                          **norm_flags)
+        return (ops.gate_residual(lead, t["gate"], t["branch"], index, **flags),)
+
+    return fn, [site.inputs[k] for k in names]
+
+
+def _position(graph: Graph) -> dict[Node, int]:
+    return {n: i for i, n in enumerate(graph.nodes)}
+
+
+def replace_site(graph: Graph, site: Site, policy: str) -> list[Node]:
+    """Splice the fused op in for ``site``; returns its new output nodes (``NoMatch`` if it cannot)."""
+    fn, inputs = replacement_fn(site, policy)
+    pos = _position(graph)
+    last_input = max(inputs, key=pos.__getitem__)
+    interior = set(site.interior) | set(site.outputs)
+    outside_users = [u for out in site.outputs for u in out.users if u not in interior]
+    expect(all(pos[u] > pos[last_input] for u in outside_users),
+           "an output is used before every input of the site is ready")
+    traced = fwd_only(dispatch_functionalize(fn), [n.meta["val"] for n in inputs])
+    placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
+    with graph.inserting_before(last_input.next):
+        new_outputs = graph.graph_copy(traced.graph, dict(zip(placeholders, inputs)))
+    for old, new in zip(site.outputs, new_outputs):
+        new.meta.setdefault("val", old.meta.get("val"))
+        old.replace_all_uses_with(new)
+    frontier: list[Node] = []
+    for node in sorted(interior, key=pos.__getitem__, reverse=True):
+        if not node.users:
+            frontier += node.all_input_nodes
+            graph.erase_node(node)
+    _erase_dead(graph, frontier)
+    return list(new_outputs)
+
+
+def _erase_dead(graph: Graph, frontier: list[Node]) -> None:
+    """Erase gathers and index casts the site used once nothing else uses them."""
+    while frontier:
+        node = frontier.pop()
+        if node.op == "call_function" and not node.users and not node.is_impure() and not node._erased:
+            frontier += node.all_input_nodes
+            graph.erase_node(node)
+
+
+__all__ = ["OP_NAMES", "NoMatch", "replace_site", "replacement_fn"]

@@ -1,0 +1,340 @@
+"""Search side of the three modulation sites: structural matchers over post-grad FX graphs.
+
+Each ``match_*`` function takes the site's output node and returns a description of the site (its
+input nodes, the rounding points the graph performs, and the interior nodes a replacement removes)
+or raises ``NoMatch`` with the reason. Operand order of ``+`` and ``*`` does not matter; table upcasts
+(``.float()`` before or after the gather), ``.to(long)`` on the index and index views are looked
+through. Every check the fused op's contract needs is made here, so that a match is always safe.
+
+Site A  y = [R](n * [R](1 + scale[idx]) + shift[idx]),  n = RMSNorm(x)       ``NormModulateSite``
+Site C  u = [R](res + [R](gate[idx] * branch))                             ``GateResidualSite``
+Site B  C followed by A on the stored residual u                          ``GateNormModulateSite``
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch.fx import Node
+
+from .graph_view import (
+    ADD, CONVERT, GATHER, MUL, NoMatch, aten, device_of, dtype_of, either_order, expect, is_op, is_scalar,
+    operands, shape_of, strip_converts, strip_views,
+)
+
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+DEVICES = ("cuda", "cpu")
+f32 = torch.float32
+
+
+@dataclass
+class Gather:
+    """``table[index]`` per token; ``upcast`` when the table is converted to fp32 around the gather."""
+
+    output: Node
+    table: Node
+    index: Node
+    upcast: bool
+    nodes: list[Node]
+
+
+def match_gather(node: object) -> Gather:
+    nodes = []
+    top = node
+    while is_op(top, CONVERT) or is_op(top, (aten.view.default, aten.reshape.default, aten._unsafe_view.default)):
+        nodes.append(top)
+        top = top.args[0]
+    expect(is_op(top, GATHER), f"{node} is not a gather of table rows")
+    nodes.append(top)
+    if top.target == aten.index.Tensor:
+        table, indices = top.args
+        expect(len(indices) == 1 and indices[0] is not None, f"{top}: not a gather along dim 0")
+        index = indices[0]
+    else:
+        table, dim, index = top.args
+        expect(dim == 0, f"{top}: index_select along dim {dim}, not 0")
+    table_src = strip_converts(table)
+    index_src = strip_views(strip_converts(strip_views(index)))
+    expect(dtype_of(index_src) in (torch.int32, torch.int64), f"{top}: index is not int32/int64")
+    expect(shape_of(table_src) is not None and len(shape_of(table_src)) == 2, f"{top}: table is not [K, H]")
+    table_dtype = dtype_of(table_src)
+    expect(table_dtype in ACTIVATION_DTYPES, f"{top}: table dtype {table_dtype}")
+    upcast = table_dtype in LOW_PRECISION and dtype_of(node) == f32
+    expect(dtype_of(node) in (table_dtype, f32), f"{node}: gather converted to {dtype_of(node)}")
+    return Gather(node, table_src, index_src, upcast, nodes)
+
+
+def _is_gather(node: object) -> bool:
+    try:
+        match_gather(node)
+        return True
+    except NoMatch:
+        return False
+
+
+@dataclass
+class Norm:
+    """``RMSNorm(x)`` over the last dim, spelled ``nn.RMSNorm`` (one rounding) or natively (two)."""
+
+    x: Node
+    weight: Node | None
+    eps: float
+    rounds_before_weight: bool
+    nodes: list[Node]
+
+
+def _match_norm_core(node: object, act: torch.dtype):
+    """``x32 * rsqrt(mean(x32^2, -1, keepdim) + eps)`` -> (x, eps, nodes)."""
+    x32, r = either_order(operands(node, MUL, "x * rsqrt(...)"), lambda v: not is_op(v, (aten.rsqrt.default,)))
+    expect(is_op(r, (aten.rsqrt.default,)), f"{node}: no rsqrt factor")
+    shifted = r.args[0]
+    mean, eps = either_order(operands(shifted, ADD, "var + eps"), lambda v: is_op(v, (aten.mean.dim,)))
+    expect(isinstance(eps, (int, float)) and not isinstance(eps, bool), f"{shifted}: eps is not a constant")
+    sq_in, dims = mean.args[0], mean.args[1]
+    keepdim = mean.args[2] if len(mean.args) > 2 else mean.kwargs.get("keepdim", False)
+    rank = len(shape_of(x32) or ())
+    expect(keepdim and len(dims) == 1 and dims[0] in (-1, rank - 1), f"{mean}: the norm does not reduce the last dim")
+    expect(not mean.kwargs.get("dtype"), f"{mean}: mean with a dtype")
+    if is_op(sq_in, (aten.pow.Tensor_Scalar,)):
+        expect(sq_in.args[0] is x32 and is_scalar(sq_in.args[1], 2), f"{sq_in}: not x^2 of the normalized value")
+    else:
+        a, b = operands(sq_in, MUL, "x * x")
+        expect(a is x32 and b is x32, f"{sq_in}: not x*x of the normalized value")
+    expect(dtype_of(x32) == f32, f"{x32}: the norm does not compute in fp32")
+    x = x32.args[0] if is_op(x32, CONVERT) else x32
+    expect(dtype_of(x) == act, f"{x}: norm input dtype {dtype_of(x)} is not the activation dtype {act}")
+    nodes = [node, r, shifted, mean, sq_in] + ([x32] if x32 is not x else [])
+    return x, float(eps), nodes
+
+
+def _weight_source(w: object, hidden: int) -> Node:
+    src = strip_converts(w)
+    expect(isinstance(src, Node) and shape_of(src) == (hidden,), f"{w}: norm weight is not [H={hidden}]")
+    expect(dtype_of(src) in ACTIVATION_DTYPES, f"{w}: norm weight dtype {dtype_of(src)}")
+    return src
+
+
+def match_norm(n: object, act: torch.dtype, hidden: int) -> Norm:
+    """``n`` is the norm output in the activation dtype ``act``."""
+    nodes: list[Node] = []
+    weight, before = None, False
+    top = n
+    if act != f32 and is_op(top, MUL) and dtype_of(top) == act:  # native: R(R(x*r) * w)
+        cast, w = either_order(operands(top, MUL, "normed * weight"), lambda v: is_op(v, CONVERT))
+        weight, before = _weight_source(w, hidden), True
+        nodes += [top] + ([w] if w is not weight else [])
+        top = cast
+    if act != f32:
+        expect(is_op(top, CONVERT) and dtype_of(top) == act, f"{top}: norm output is not cast to {act}")
+        nodes.append(top)
+        top = top.args[0]
+    if weight is None:
+        a, b = operands(top, MUL, "normed [* weight]")
+        if not (is_op(a, (aten.rsqrt.default,)) or is_op(b, (aten.rsqrt.default,))):  # (x * r) * w
+            core, w = either_order((a, b), lambda v: is_op(v, MUL))
+            weight = _weight_source(w, hidden)
+            nodes += [top] + ([w] if w is not weight else [])
+            top = core
+    x, eps, core_nodes = _match_norm_core(top, act)
+    return Norm(x, weight, eps, before, nodes + core_nodes)
+
+
+@dataclass
+class Affine:
+    """``y = [R](n * [R](1 + scale[idx]) + shift[idx])`` in ``compute`` dtype, output in ``act``."""
+
+    y: Node
+    n: Node
+    shift: Gather
+    scale: Gather
+    compute: torch.dtype
+    nodes: list[Node]
+
+
+def match_affine(y: object) -> Affine:
+    expect(isinstance(y, Node), "not a node")
+    act = dtype_of(y)
+    expect(act in ACTIVATION_DTYPES, f"{y}: dtype {act} is not an activation dtype")
+    nodes = []
+    top = y
+    if is_op(top, CONVERT):
+        nodes.append(top)
+        top = top.args[0]
+    compute = dtype_of(top)
+    q, shift_rows = either_order(operands(top, ADD, "q + shift[idx]"), lambda v: is_op(v, MUL))
+    shift = match_gather(shift_rows)
+    p, n = either_order(operands(q, MUL, "n * (1 + scale[idx])"), lambda v: is_op(v, ADD) and
+                        any(is_scalar(a, 1.0) for a in v.args))
+    scale_rows, one = either_order(operands(p, ADD, "1 + scale[idx]"), lambda v: isinstance(v, Node))
+    expect(is_scalar(one, 1.0), f"{p}: not 1 + scale")
+    scale = match_gather(scale_rows)
+    expect({dtype_of(p), dtype_of(q), compute} == {compute}, f"{y}: the affine mixes dtypes")
+    expect(compute in (act, f32), f"{y}: affine computed in {compute}")
+    nodes += [top, q, p]
+    return Affine(y, n, shift, scale, compute, nodes)
+
+
+@dataclass
+class Gated:
+    """``u = [R](res + [R](gate[idx] * branch))``; ``product`` is the dtype of the product."""
+
+    u: Node
+    residual: Node
+    branch: Node
+    gate: Gather
+    product: torch.dtype
+    nodes: list[Node]
+
+
+def match_gated(u: object) -> Gated:
+    expect(isinstance(u, Node), "not a node")
+    act = dtype_of(u)
+    expect(act in ACTIVATION_DTYPES, f"{u}: dtype {act} is not an activation dtype")
+    nodes = []
+    top = u
+    if is_op(top, CONVERT):
+        nodes.append(top)
+        top = top.args[0]
+
+    def gated_product(v):
+        return is_op(v, MUL) and len(v.args) == 2 and any(_is_gather(a) for a in v.args)
+
+    res, prod = either_order(operands(top, ADD, "res + gate[idx] * branch"), lambda v: not gated_product(v))
+    expect(gated_product(prod), f"{top}: no gate[idx] * branch operand")
+    gate_rows, branch = either_order(operands(prod, MUL, "gate[idx] * branch"), _is_gather)
+    gate = match_gather(gate_rows)
+    for name, v in (("residual", res), ("branch", branch)):
+        expect(dtype_of(v) == act and shape_of(v) == shape_of(u), f"{u}: {name} {v} is not a {act} activation")
+    expect(dtype_of(top) in (act, f32) and dtype_of(prod) == dtype_of(top), f"{u}: the gated residual mixes dtypes")
+    return Gated(u, res, branch, gate, dtype_of(prod), nodes + [top, prod])
+
+
+def check_site(outputs: list[Node], gathers: list[Gather], act_node: Node, interior: list[Node]) -> None:
+    """Checks shared by every site: one index, [K, H] tables, device, interior values used only inside."""
+    hidden = shape_of(act_node)[-1]
+    index = gathers[0].index
+    for g in gathers:
+        expect(g.index is index, f"{g.output}: gathers of one site use different index tensors")
+        expect(shape_of(g.table)[1] == hidden, f"{g.table}: table width {shape_of(g.table)[1]} != H={hidden}")
+    rows = {shape_of(g.table)[0] for g in gathers}
+    expect(len(rows) == 1, f"tables of one site have different row counts {sorted(map(str, rows))}")
+    lead = shape_of(act_node)[:-1]
+    expect(_numel(shape_of(index)) == _numel(lead), f"{index}: index has {shape_of(index)} for activations {lead}")
+    device = device_of(act_node)
+    expect(device is not None and device.type in DEVICES, f"{act_node}: device {device} is not CUDA or CPU")
+    for g in gathers:
+        expect(device_of(g.table) == device and device_of(index) == device, f"{g.output}: tensors on other devices")
+    inside = set(interior) | set(outputs)
+    _check_interior(interior, inside)
+
+
+def _check_interior(interior: list[Node], inside: set[Node]) -> None:
+    for node in interior:
+        outside = [u for u in node.users if u not in inside]
+        if outside:
+            raise NoMatch(f"interior value {node} is also used by {outside[0]} outside the site")
+
+
+def _numel(shape) -> object:
+    total = 1
+    for s in shape:
+        total = total * s
+    return total
+
+
+@dataclass
+class Site:
+    """A matched site: what to call, with which input nodes, and which nodes it replaces."""
+
+    kind: str  # "A", "B" or "C"
+    outputs: list[Node]  # (y,), (u, y) or (u,)
+    inputs: dict[str, Node | None]
+    eps: float
+    norm_rounds_before_weight: bool
+    upcast_tables: bool
+    interior: list[Node] = field(default_factory=list)
+
+    @property
+    def lead(self) -> Node:
+        return self.inputs["x"] if self.kind == "A" else self.inputs["residual"]
+
+
+def _upcast(gathers: list[Gather], compute: torch.dtype) -> bool:
+    flags = {g.upcast for g in gathers}
+    expect(len(flags) == 1, "some tables of the site are upcast and others are not")
+    upcast = flags.pop()
+    expect(upcast == (compute == f32 and dtype_of(gathers[0].table) in LOW_PRECISION), "upcast and compute dtype disagree")
+    return upcast
+
+
+def _gather_interior(gathers: list[Gather]) -> list[Node]:
+    """Conversions/views wrapped around a gather belong to the site; the gather itself may be shared."""
+    return [n for g in gathers for n in g.nodes[:-1]]
+
+
+def norm_modulate_site(y: Node) -> Site:
+    aff = match_affine(y)
+    act = dtype_of(y)
+    hidden = shape_of(y)[-1]
+    norm = match_norm(aff.n, act, hidden)
+    gathers = [aff.scale, aff.shift]
+    expect(shape_of(norm.x) == shape_of(y), f"{y}: output shape differs from the norm input")
+    upcast = _upcast(gathers, aff.compute) if aff.compute != act else False
+    expect(aff.compute == act or upcast or dtype_of(aff.scale.table) == f32,
+           f"{y}: affine in {aff.compute} with {dtype_of(aff.scale.table)} tables")
+    interior = aff.nodes + norm.nodes + _gather_interior(gathers)
+    interior = [n for n in interior if n is not y]
+    check_site([y], gathers, norm.x, interior)
+    return Site("A", [y], dict(x=norm.x, weight=norm.weight, shift=aff.shift.table, scale=aff.scale.table,
+                               index=aff.scale.index), norm.eps, norm.rounds_before_weight, upcast, interior)
+
+
+def gate_residual_site(u: Node) -> Site:
+    gated = match_gated(u)
+    act = dtype_of(u)
+    upcast = _upcast([gated.gate], gated.product) if gated.product != act else False
+    interior = [n for n in gated.nodes + _gather_interior([gated.gate]) if n is not u]
+    check_site([u], [gated.gate], u, interior)
+    return Site("C", [u], dict(residual=gated.residual, gate=gated.gate.table, branch=gated.branch,
+                               index=gated.gate.index), 0.0, False, upcast, interior)
+
+
+def merge_gate_and_norm(c: Site, a: Site) -> Site:
+    """Site C whose stored residual is the input of site A: one B-shaped site with outputs (u, y)."""
+    u = c.outputs[0]
+    expect(a.inputs["x"] is u, "the norm input is not this gated residual")
+    expect(a.inputs["index"] is c.inputs["index"], "the gate and the modulation use different index tensors")
+    expect(a.upcast_tables == c.upcast_tables, "the gate and the modulation tables differ in upcasting")
+    expect(shape_of(c.inputs["gate"])[0] == shape_of(a.inputs["shift"])[0], "gate and modulation tables differ in K")
+    inputs = dict(residual=c.inputs["residual"], gate=c.inputs["gate"], branch=c.inputs["branch"],
+                  weight=a.inputs["weight"], shift=a.inputs["shift"], scale=a.inputs["scale"],
+                  index=c.inputs["index"])
+    interior = c.interior + a.interior
+    _check_interior(interior, set(interior) | {u, a.outputs[0]})
+    return Site("B", [u, a.outputs[0]], inputs, a.eps, a.norm_rounds_before_weight, a.upcast_tables, interior)
+
+
+def _anchor_top(node: Node) -> object:
+    """A site's output is an ``add``, or the fp32 -> low-precision cast of one (fp32 affine)."""
+    if is_op(node, CONVERT):
+        return node.args[0] if dtype_of(node.args[0]) == f32 and dtype_of(node) in LOW_PRECISION else None
+    return node
+
+
+def is_affine_candidate(node: Node) -> bool:
+    """Cheap filter: ``add`` (maybe under a convert) with a ``mul`` operand holding ``1 + t`` ."""
+    top = _anchor_top(node)
+    if not is_op(top, (aten.add.Tensor,)) or len(top.args) != 2:
+        return False
+    return any(is_op(m, MUL) and any(is_op(p, ADD) and any(is_scalar(a, 1.0) for a in p.args) for p in m.args)
+               for m in top.args)
+
+
+def is_gated_candidate(node: Node) -> bool:
+    """Cheap filter: ``add`` (maybe under a convert) with a ``mul`` operand holding a gather."""
+    top = _anchor_top(node)
+    if not is_op(top, (aten.add.Tensor,)) or len(top.args) != 2:
+        return False
+    return any(is_op(m, MUL) and any(is_op(strip_views(strip_converts(a)), GATHER) for a in m.args) for m in top.args)
