@@ -13,6 +13,8 @@ import torch._inductor.config as inductor_config
 from torch._inductor import list_mode_options
 from torch._inductor.compile_fx import compile_fx
 
+from h3_fused.kernels.policy import resolve_policy
+
 from .graph_pass import H3FusionPass
 from .options import FusionOptions
 
@@ -22,11 +24,18 @@ def _user_post_pass(inductor_options: dict):
     return inductor_options.pop("post_grad_custom_post_pass", inductor_config.post_grad_custom_post_pass)
 
 
-def make_config_patches(options: dict | None = None, mode: str | None = None, dynamic=None) -> dict:
+def graph_device(example_inputs) -> torch.device:
+    """The device the graph computes on: that of its first tensor input on an accelerator, else CPU."""
+    devices = [t.device for t in example_inputs if isinstance(t, torch.Tensor)]
+    return next((d for d in devices if d.type != "cpu"), torch.device("cpu"))
+
+
+def make_config_patches(options: dict | None = None, mode: str | None = None,
+                        device: torch.device = torch.device("cpu")) -> dict:
     """Inductor config patches for one compile: mode options, the caller's options, and our pass."""
     fusion, inductor_options = FusionOptions.split(options)
-    patches = dict(list_mode_options(mode, dynamic)) if mode else {}
-    if fusion.dtype_policy == "bf16":
+    patches = dict(list_mode_options(mode)) if mode else {}
+    if resolve_policy(fusion.dtype_policy, device) == "bf16":
         patches["emulate_precision_casts"] = True
     chained = _user_post_pass(inductor_options)
     if isinstance(chained, H3FusionPass):  # compiled twice through us: do not nest
@@ -39,4 +48,5 @@ def make_config_patches(options: dict | None = None, mode: str | None = None, dy
 def h3_fused_backend(gm: torch.fx.GraphModule, example_inputs, *, options: dict | None = None,
                      mode: str | None = None):
     """Compile ``gm`` with Inductor and the h3_fused pass (the ``"h3_fused"`` backend)."""
-    return compile_fx(gm, example_inputs, config_patches=make_config_patches(options, mode))
+    patches = make_config_patches(options, mode, graph_device(example_inputs))
+    return compile_fx(gm, example_inputs, config_patches=patches)

@@ -46,5 +46,5 @@ def _call_compiled(forward, module, token_dim, *args, **kwargs):
     if token_dim is not None:
         for a in (*args, *kwargs.values()):
             if isinstance(a, torch.Tensor) and a.dim() > token_dim and a.shape[token_dim] > 1:
-                torch._dynamo.mark_dynamic(a, token_dim)
+                torch._dynamo.maybe_mark_dynamic(a, token_dim)
     return forward(module, *args, **kwargs)

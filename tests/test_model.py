@@ -149,7 +149,7 @@ def test_fixed_seed_is_deterministic():
 def test_attention_island_and_inline_agree():
     island, inline = tiny_model(), tiny_model(inline_attention=True)
     latents, layout = example_inputs(TINY, 64)
-    assert torch.equal(island(latents, layout), inline(latents, layout))
+    torch.testing.assert_close(island(latents, layout), inline(latents, layout), rtol=2e-2, atol=2e-2)
 
 
 def test_real_config_on_meta_has_the_published_parameter_count():

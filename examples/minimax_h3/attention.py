@@ -42,6 +42,16 @@ def packed_sdpa(q, k, v, cu_seqlens: torch.Tensor) -> torch.Tensor:
     return torch.cat(outs, dim=0)
 
 
+def masked_sdpa(q, k, v, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """One SDPA over all tokens with a block-diagonal mask: the same attention as ``packed_sdpa``
+    without host-side segment bounds, so it compiles without a graph break."""
+    pos = torch.arange(q.shape[0], device=q.device)
+    segment = torch.searchsorted(cu_seqlens.to(q.device), pos, right=True)
+    mask = segment[:, None] == segment[None, :]
+    q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).squeeze(0).transpose(0, 1)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: H3Config, device=None):
         super().__init__()
@@ -71,7 +81,7 @@ class Attention(nn.Module):
         cos, sin = rope_frequencies(positions, self.cfg)
         q = apply_rope(q, cos, sin, self.cfg.rope_dims)
         k = apply_rope(k, cos, sin, self.cfg.rope_dims)
-        o = packed_sdpa(q, k, v, cu_seqlens)
+        o = (masked_sdpa if self.cfg.inline_attention else packed_sdpa)(q, k, v, cu_seqlens)
         if sp is not None:
             o = sp.heads_to_rows(o)
         return self.out(o.reshape(o.shape[0], -1)).view(*lead, -1)

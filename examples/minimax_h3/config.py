@@ -67,7 +67,7 @@ class H3Config:
     rope_theta: float = 10000.0
     eps: float = 1e-5
     dtype: torch.dtype = torch.bfloat16
-    inline_attention: bool = False
+    inline_attention: bool = False  # True: attention inside the compiled graph (masked SDPA, no break)
     spellings: Spellings = field(default_factory=Spellings)
 
     def __post_init__(self) -> None:
