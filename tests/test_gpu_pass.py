@@ -1,0 +1,84 @@
+"""GPU suite for the pass (``pytest -m gpu``): inlined kernels, real-size blocks, CUDA graphs."""
+
+import dataclasses
+
+import pytest
+import torch
+from minimax_h3 import H3Config, H3Model, example_inputs, init_weights
+from torch._dynamo.utils import counters
+from torch._inductor.utils import run_and_get_code
+
+import h3_fused
+
+pytestmark = pytest.mark.gpu
+REAL_TOKENS = 15808
+
+
+def real_blocks(num_blocks=2, inline=True):
+    cfg = dataclasses.replace(H3Config.real(), num_blocks=num_blocks, num_refiner_blocks=0,
+                              inline_attention=inline)
+    with torch.device("cuda"):
+        model = init_weights(H3Model(cfg, device="cuda"))
+    latents, layout = example_inputs(cfg, REAL_TOKENS, segments=1, device="cuda")
+    return model, latents, layout
+
+
+def test_kernel_is_inlined_in_inductor_output_code():
+    torch._dynamo.reset()
+    model, latents, layout = real_blocks(1)
+    block = model.blocks[0]
+    tables = model.adaln_proj(model.time_embed(layout.timesteps))
+    x = model.patch_embed(latents.to(torch.bfloat16))
+    compiled = torch.compile(block, backend="h3_fused", options={"dtype_policy": "bf16"})
+    with torch.no_grad():
+        _, codes = run_and_get_code(compiled, x, tables, layout.index, layout.positions, layout.cu_seqlens)
+    code = "\n".join(codes)
+    assert "modulation_kernel" in code
+    assert "torch.ops.h3_fused" not in code, "the fused op must not be a dispatcher call"
+
+
+@pytest.mark.parametrize("policy", ["bf16", "fp32"])
+def test_real_size_blocks_obey_the_policy(policy):
+    torch._dynamo.reset()
+    counters.clear()
+    model, latents, layout = real_blocks(2)
+    with torch.no_grad():
+        expected = model(latents, layout)
+        inductor = torch.compile(model, backend="inductor")(latents, layout)
+        torch._dynamo.reset()
+        got = torch.compile(model, backend="h3_fused", options={"dtype_policy": policy})(latents, layout)
+    assert counters["h3_fused"]["gate_norm_modulate"] >= 3
+    err = (got - expected).abs().max().item()
+    err_inductor = (inductor - expected).abs().max().item()
+    print(f"{policy}: max|h3_fused - eager| = {err:.3e}, max|inductor - eager| = {err_inductor:.3e}, "
+          f"bit-identical share {(got == expected).float().mean().item():.6f}")
+    if policy == "bf16":
+        assert err <= err_inductor
+
+
+def test_reduce_overhead_mode_runs_cuda_graphs():
+    torch._dynamo.reset()
+    model, latents, layout = real_blocks(1)
+    with torch.no_grad():
+        expected = model(latents, layout)
+        compiled = torch.compile(model, backend="h3_fused", mode="reduce-overhead",
+                                 options={"dtype_policy": "bf16"})
+        for _ in range(3):
+            got = compiled(latents, layout)
+    torch.testing.assert_close(got, expected, rtol=0.05, atol=0.05)
+
+
+def test_kernels_per_block():
+    torch._dynamo.reset()
+    model, latents, layout = real_blocks(2, inline=True)
+    with torch.no_grad():
+        compiled = torch.compile(model, backend="h3_fused", options={"dtype_policy": "bf16"})
+        compiled(latents, layout)
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            compiled(latents, layout)
+            torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    fused = [e for e in kernels if "modulation_kernel" in e.name]
+    print(f"CUDA kernels per forward of 2 real blocks: {len(kernels)}, modulation kernels: {len(fused)}")
+    assert len(fused) == 2 * 2 + 2  # A, then B per block and across the boundary, last C, final A
