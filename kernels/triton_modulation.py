@@ -47,8 +47,9 @@ def _rounded(v, dtype: tl.constexpr, PORTABLE: tl.constexpr):
 def _mul_rn(a, b, zero):
     """``a * b`` rounded once in fp32 and never contracted into an FMA with a following add.
 
-    The product passes through an integer XOR with ``zero`` (a runtime 0 the compiler cannot see
-    through), which leaves its bits unchanged but stops LLVM and ptxas from fusing it into an add.
+    The product passes through an integer XOR with ``zero``, a per-row value derived from the loaded
+    index (0 for every valid row; Inductor would fold a scalar 0 argument into a constant), which
+    leaves its bits unchanged but stops LLVM and ptxas from fusing it into an add.
     """
     return ((a * b).to(tl.int32, bitcast=True) ^ zero).to(tl.float32, bitcast=True)
 
@@ -64,7 +65,7 @@ def _rsqrt(v, PORTABLE: tl.constexpr):
 @triton.jit(debug=True)
 def modulation_kernel(
     x_ptr, res_ptr, branch_ptr, gate_ptr, w_ptr, shift_ptr, scale_ptr, idx_ptr, u_ptr, y_ptr,
-    n_rows, hidden, num_table_rows, eps, inv_hidden, zero,
+    n_rows, hidden, num_table_rows, eps, inv_hidden,
     stride_x, stride_res, stride_branch, stride_gate, stride_shift, stride_scale,
     HAS_GATE: tl.constexpr, HAS_NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr,
     ROUND_GATE: tl.constexpr, ROUND_NORM: tl.constexpr, ROUND_NORM_BEFORE_WEIGHT: tl.constexpr,
@@ -79,6 +80,7 @@ def modulation_kernel(
     mask = row_ok[:, None] & (cols < hidden)[None, :]
     idx = tl.load(idx_ptr + rows, mask=row_ok, other=0).to(tl.int64)
     bad = row_ok & ((idx < 0) | (idx >= num_table_rows))
+    zero = (idx < 0).to(tl.int32)[:, None]  # 0 wherever the result is defined (see _mul_rn)
     tl.device_assert(~bad, "h3_fused: index out of range [0, K)")
     idx = tl.where(bad, 0, idx)
     out_offsets = rows[:, None] * hidden + cols[None, :]
@@ -153,7 +155,7 @@ def launch_modulation(a: ModulationArgs, u: torch.Tensor | None, y: torch.Tensor
     wrap(modulation_kernel)[(triton.cdiv(a.rows, block_t),)](
         x, res, branch, gate, table_or_alias(a.weight), shift, scale, a.index,
         y if u is None else u, u if y is None else y,
-        a.rows, a.hidden, a.num_table_rows, a.eps, 1.0 / a.hidden, 0,
+        a.rows, a.hidden, a.num_table_rows, a.eps, 1.0 / a.hidden,
         x.stride(0), res.stride(0), branch.stride(0), gate.stride(0), shift.stride(0), scale.stride(0),
         HAS_GATE=a.gate is not None, HAS_NORM=a.scale is not None, HAS_WEIGHT=a.weight is not None,
         ROUND_GATE=r.gate_product, ROUND_NORM=r.norm_output, ROUND_NORM_BEFORE_WEIGHT=r.norm_before_weight,

@@ -17,8 +17,7 @@ REAL_TOKENS = 15808
 def real_blocks(num_blocks=2, inline=True):
     cfg = dataclasses.replace(H3Config.real(), num_blocks=num_blocks, num_refiner_blocks=0,
                               inline_attention=inline)
-    with torch.device("cuda"):
-        model = init_weights(H3Model(cfg, device="cuda"))
+    model = init_weights(H3Model(cfg, device="cuda"))
     latents, layout = example_inputs(cfg, REAL_TOKENS, segments=1, device="cuda")
     return model, latents, layout
 

@@ -58,17 +58,18 @@ class H3Model(nn.Module):
 
 def init_weights(model: H3Model, seed: int = 0, std: float = 0.02) -> H3Model:
     """Deterministic random weights: N(0, std) matrices, small biases, norm weights near 1."""
-    gen = torch.Generator().manual_seed(seed)
+    device = next(model.parameters()).device
+    if device.type == "meta":
+        return model
+    gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.device.type == "meta":
-                continue
             if "norm" in name:
-                values = 1.0 + 0.1 * torch.randn(p.shape, generator=gen)
+                values = 1.0 + 0.1 * torch.randn(p.shape, generator=gen, device=device)
             elif name.endswith("bias"):
-                values = 0.01 * torch.randn(p.shape, generator=gen)
+                values = 0.01 * torch.randn(p.shape, generator=gen, device=device)
             else:
-                values = std * torch.randn(p.shape, generator=gen)
+                values = std * torch.randn(p.shape, generator=gen, device=device)
             p.copy_(values.to(p.dtype))
     return model
 
