@@ -1,0 +1,237 @@
+"""The fused ops on the CPU: the rounding contract against eager sequences, bad input, opcheck, and
+the Triton kernel's logic under the interpreter."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from h3_fused.kernels import gate_norm_modulate, gate_residual, norm_modulate
+
+bf16, f32 = torch.bfloat16, torch.float32
+
+
+def make(tokens=33, hidden=96, rows=6, dtype=bf16, table_dtype=None, lead=None, seed=0, index_dtype=torch.int64):
+    g = torch.Generator().manual_seed(seed)
+    table_dtype = table_dtype or dtype
+    shape = (*(lead or (tokens,)), hidden)
+    tables = (0.3 * torch.randn(rows, 6 * hidden, generator=g)).to(table_dtype).chunk(6, dim=-1)
+    return dict(
+        x=torch.randn(shape, generator=g).to(dtype),
+        branch=torch.randn(shape, generator=g).to(dtype),
+        weight=(1 + 0.1 * torch.randn(hidden, generator=g)).to(dtype),
+        shift=tables[0], scale=tables[1], gate=tables[2],
+        index=torch.randint(0, rows, shape[:-1], generator=g).to(index_dtype),
+    )
+
+
+def eager_norm(x, weight, eps, native):
+    if not native:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    x32 = x.float()
+    n = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return n * weight if weight is not None else n
+
+
+def eager_modulate(n, shift, scale, idx, upcast):
+    if upcast:
+        shift, scale = shift.float(), scale.float()
+    return (n * (1.0 + scale[idx.long()]) + shift[idx.long()]).to(n.dtype)
+
+
+def eager_gate(res, gate, branch, idx, upcast):
+    if upcast:
+        gate = gate.float()
+    return (res + gate[idx.long()] * branch).to(res.dtype)
+
+
+@pytest.mark.parametrize("native", [False, True])
+@pytest.mark.parametrize("upcast", [False, True])
+@pytest.mark.parametrize("with_weight", [True, False])
+@pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize("lead", [(33,), (3, 11)])
+def test_bf16_policy_is_bit_identical_to_eager(native, upcast, with_weight, index_dtype, lead):
+    t = make(lead=lead, index_dtype=index_dtype)
+    w = t["weight"] if with_weight else None
+    kw = dict(eps=1e-5, policy="bf16", norm_rounds_before_weight=native, upcast_tables=upcast)
+    y = norm_modulate(t["x"], w, t["shift"], t["scale"], t["index"], **kw)
+    assert torch.equal(y, eager_modulate(eager_norm(t["x"], w, 1e-5, native), t["shift"], t["scale"], t["index"], upcast))
+    u, y = gate_norm_modulate(t["x"], t["gate"], t["branch"], w, t["shift"], t["scale"], t["index"], **kw)
+    u_ref = eager_gate(t["x"], t["gate"], t["branch"], t["index"], upcast)
+    assert torch.equal(u, u_ref)
+    assert torch.equal(y, eager_modulate(eager_norm(u_ref, w, 1e-5, native), t["shift"], t["scale"], t["index"], upcast))
+    u = gate_residual(t["x"], t["gate"], t["branch"], t["index"], policy="bf16", upcast_tables=upcast)
+    assert torch.equal(u, u_ref)
+
+
+def test_fp32_tables_with_bf16_activations():
+    t = make(table_dtype=f32)
+    u, y = gate_norm_modulate(t["x"], t["gate"], t["branch"], t["weight"], t["shift"], t["scale"], t["index"],
+                              eps=1e-6, policy="bf16")
+    u_ref = eager_gate(t["x"], t["gate"], t["branch"], t["index"], False)
+    assert torch.equal(u, u_ref)
+    assert torch.equal(y, eager_modulate(eager_norm(u_ref, t["weight"], 1e-6, False), t["shift"], t["scale"],
+                                         t["index"], False))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_other_activation_dtypes(dtype):
+    t = make(dtype=dtype)
+    y = norm_modulate(t["x"], t["weight"], t["shift"], t["scale"], t["index"], eps=1e-5, policy="bf16")
+    assert y.dtype == dtype
+    assert torch.equal(y, eager_modulate(eager_norm(t["x"], t["weight"], 1e-5, False), t["shift"], t["scale"],
+                                         t["index"], False))
+
+
+def test_fp32_policy_rounds_only_where_stored_and_is_closer_to_fp64():
+    t = make(tokens=512, hidden=256)
+    u, y = gate_norm_modulate(t["x"], t["gate"], t["branch"], t["weight"], t["shift"], t["scale"], t["index"],
+                              eps=1e-5, policy="fp32")
+    idx = t["index"]
+    u64 = t["x"].double() + t["gate"].double()[idx] * t["branch"].double()
+    assert torch.equal(u, u64.float().to(bf16))  # one rounding of the fp32 value
+    ud = u.double()
+    n = ud * torch.rsqrt(ud.pow(2).mean(-1, keepdim=True) + 1e-5) * t["weight"].double()
+    y64 = n * (1 + t["scale"].double()[idx]) + t["shift"].double()[idx]
+    y_eager = eager_modulate(eager_norm(u, t["weight"], 1e-5, False), t["shift"], t["scale"], idx, False)
+    assert (y.double() - y64).abs().mean() < (y_eager.double() - y64).abs().mean()
+
+
+def test_strided_activations_and_tables_are_read_in_place():
+    t = make(tokens=20, hidden=64)
+    wide = torch.randn(20, 200).to(bf16)
+    x = wide[:, 10:74]  # row stride 200, offset 10
+    assert x.stride() == (200, 1)
+    y = norm_modulate(x, t["weight"], t["shift"], t["scale"], t["index"], eps=1e-5, policy="bf16")
+    assert torch.equal(y, eager_modulate(eager_norm(x, t["weight"], 1e-5, False), t["shift"], t["scale"], t["index"], False))
+    xt = torch.randn(64, 20).to(bf16).t()  # column-strided: copied, still correct
+    y = norm_modulate(xt, t["weight"], t["shift"], t["scale"], t["index"], eps=1e-5, policy="bf16")
+    assert torch.equal(y, eager_modulate(eager_norm(xt, t["weight"], 1e-5, False), t["shift"], t["scale"], t["index"], False))
+
+
+def test_nan_and_inf_propagate_as_in_eager():
+    t = make(tokens=8, hidden=64)
+    x = t["x"].clone()
+    x[1, 3], x[2, 5], x[3, 0] = float("nan"), float("inf"), -float("inf")
+    u, y = gate_norm_modulate(x, t["gate"], t["branch"], t["weight"], t["shift"], t["scale"], t["index"],
+                              eps=1e-5, policy="bf16")
+    u_ref = eager_gate(x, t["gate"], t["branch"], t["index"], False)
+    y_ref = eager_modulate(eager_norm(u_ref, t["weight"], 1e-5, False), t["shift"], t["scale"], t["index"], False)
+    assert torch.equal(u.isnan(), u_ref.isnan()) and torch.equal(y.isnan(), y_ref.isnan())
+    assert torch.equal(torch.nan_to_num(y), torch.nan_to_num(y_ref))
+
+
+def test_empty_inputs_give_empty_outputs():
+    t = make(tokens=0, hidden=64)
+    u, y = gate_norm_modulate(t["x"], t["gate"], t["branch"], t["weight"], t["shift"], t["scale"], t["index"],
+                              eps=1e-5, policy="bf16")
+    assert u.shape == (0, 64) and y.shape == (0, 64)
+
+
+BAD = [
+    (dict(index=torch.tensor([0, 7])), IndexError, "index out of range"),
+    (dict(index=torch.tensor([0, -1])), IndexError, "index out of range"),
+    (dict(index=torch.tensor([0.0, 1.0])), TypeError, "index must have dtype"),
+    (dict(index=torch.tensor([0, 1, 2])), ValueError, "index must have the shape"),
+    (dict(weight=torch.ones(5, dtype=bf16)), ValueError, "weight must have shape"),
+    (dict(shift=torch.ones(6, 5, dtype=bf16)), ValueError, r"shift must be a \[K, H=64\] table"),
+    (dict(scale=torch.ones(6, 64, dtype=torch.float16)), TypeError, "shift and scale must share a dtype"),
+    (dict(x=torch.ones(2, 64, dtype=torch.int32)), TypeError, "x must have dtype"),
+    (dict(policy="bf17"), ValueError, "policy must be one of"),
+    (dict(eps=-1.0), ValueError, "eps must be a non-negative"),
+    (dict(x=torch.ones(2, 64, dtype=bf16, device="meta")), ValueError, "is on cpu but x is on meta"),
+]
+
+
+@pytest.mark.parametrize("override,error,message", BAD, ids=[b[2] for b in BAD])
+def test_bad_input_names_the_argument(override, error, message):
+    t = make(tokens=2, hidden=64)
+    args = dict(x=t["x"], weight=t["weight"], shift=t["shift"], scale=t["scale"], index=t["index"], eps=1e-5,
+                policy="bf16")
+    args.update(override)
+    with pytest.raises(error, match=message):
+        norm_modulate(args.pop("x"), args.pop("weight"), args.pop("shift"), args.pop("scale"), args.pop("index"),
+                      **args)
+
+
+def test_branch_mismatch_is_refused():
+    t = make(tokens=4, hidden=64)
+    with pytest.raises(ValueError, match="branch must have the shape of residual"):
+        gate_residual(t["x"], t["gate"], t["branch"][:2], t["index"], policy="bf16")
+    with pytest.raises(TypeError, match="branch must have the dtype of residual"):
+        gate_residual(t["x"], t["gate"], t["branch"].float(), t["index"], policy="bf16")
+
+
+def test_opcheck_on_cpu():
+    t = make(tokens=9, hidden=64)
+    ops = torch.ops.h3_fused
+    torch.library.opcheck(ops.norm_modulate.default, (t["x"], t["weight"], t["shift"], t["scale"], t["index"]),
+                          dict(eps=1e-5, policy="bf16"))
+    torch.library.opcheck(ops.gate_norm_modulate.default,
+                          (t["x"], t["gate"], t["branch"], t["weight"], t["shift"], t["scale"], t["index"]),
+                          dict(eps=1e-5, policy="fp32"))
+    torch.library.opcheck(ops.gate_residual.default, (t["x"], t["gate"], t["branch"], t["index"]),
+                          dict(policy="bf16"))
+
+
+@settings(max_examples=40, deadline=None)
+@given(tokens=st.integers(1, 40), hidden=st.integers(1, 40).map(lambda h: 8 * h), rows=st.integers(1, 12),
+       seed=st.integers(0, 2**16), native=st.booleans(), upcast=st.booleans())
+def test_property_bf16_matches_eager(tokens, hidden, rows, seed, native, upcast):
+    t = make(tokens=tokens, hidden=hidden, rows=rows, seed=seed)
+    u, y = gate_norm_modulate(t["x"], t["gate"], t["branch"], t["weight"], t["shift"], t["scale"], t["index"],
+                              eps=1e-5, policy="bf16", norm_rounds_before_weight=native, upcast_tables=upcast)
+    u_ref = eager_gate(t["x"], t["gate"], t["branch"], t["index"], upcast)
+    assert torch.equal(u, u_ref)
+    assert torch.equal(y, eager_modulate(eager_norm(u_ref, t["weight"], 1e-5, native), t["shift"], t["scale"],
+                                         t["index"], upcast))
+
+
+INTERPRETED = r"""
+import torch
+from h3_fused.kernels import gate_norm_modulate, norm_modulate, gate_residual
+from h3_fused.kernels.contract import check_args
+from h3_fused.kernels.reference import reference_modulation
+torch.manual_seed(0)
+for hidden in (64, 200):
+    for tokens in (1, 5, 33):
+        for policy in ("bf16", "fp32"):
+            for native in (False, True):
+                x = torch.randn(tokens, hidden).to(torch.bfloat16)
+                br = torch.randn(tokens, hidden).to(torch.bfloat16)
+                w = torch.randn(hidden).to(torch.bfloat16)
+                t = (0.3 * torch.randn(3, 6 * hidden)).to(torch.bfloat16).chunk(6, -1)
+                idx = torch.randint(0, 3, (tokens,))
+                idx[-1] = 2
+                kw = dict(eps=1e-5, policy=policy, norm_rounds_before_weight=native)
+                u, y = gate_norm_modulate(x, t[2], br, w, t[0], t[1], idx, **kw)
+                a = check_args(residual=x, branch=br, gate=t[2], weight=w, shift=t[0], scale=t[1], index=idx,
+                               has_norm=True, **kw)
+                ur, yr = reference_modulation(a)
+                assert torch.equal(u, ur) and torch.equal(y, yr), (hidden, tokens, policy, native)
+                y = norm_modulate(x, None, t[0], t[1], idx, **kw)
+                a = check_args(x=x, shift=t[0], scale=t[1], index=idx, has_norm=True, **kw)
+                assert torch.equal(y, reference_modulation(a)[1])
+                assert torch.equal(gate_residual(x, t[2], br, idx, policy=policy),
+                                   reference_modulation(check_args(residual=x, branch=br, gate=t[2], index=idx,
+                                                                   policy=policy, has_norm=False))[0])
+try:
+    norm_modulate(x, None, t[0], t[1], idx + 3, eps=1e-5, policy="bf16")
+    raise SystemExit("no error for an out-of-range index")
+except IndexError as e:
+    assert "index out of range" in str(e)
+print("interpreted kernel OK")
+"""
+
+
+def test_triton_kernel_logic_under_the_interpreter():
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-c", INTERPRETED], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "interpreted kernel OK" in proc.stdout
