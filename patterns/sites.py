@@ -205,6 +205,7 @@ def match_gated(u: object) -> Gated:
     expect(gated_product(prod), f"{top}: no gate[idx] * branch operand")
     gate_rows, branch = either_order(operands(prod, MUL, "gate[idx] * branch"), _is_gather)
     gate = match_gather(gate_rows)
+    expect(not _is_gather(res), f"{top}: the residual is itself a table row, not a residual stream")
     for name, v in (("residual", res), ("branch", branch)):
         expect(dtype_of(v) == act and shape_of(v) == shape_of(u), f"{u}: {name} {v} is not a {act} activation")
     expect(dtype_of(top) in (act, f32) and dtype_of(prod) == dtype_of(top), f"{u}: the gated residual mixes dtypes")

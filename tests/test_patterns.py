@@ -1,0 +1,193 @@
+"""Pattern unit tests: near-misses stay untouched, options, chaining, caching, pass cost."""
+
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._dynamo.utils import counters
+
+import h3_fused
+from h3_fused import H3FusionPass
+
+bf16 = torch.bfloat16
+H, K, T = 64, 6, 16
+
+
+@pytest.fixture(autouse=True)
+def fresh():
+    torch._dynamo.reset()
+    counters.clear()
+    with torch._inductor.config.patch(fx_graph_cache=False):
+        yield
+
+
+def inputs():
+    g = torch.Generator().manual_seed(0)
+    tables = (0.3 * torch.randn(K, 6 * H, generator=g)).to(bf16).chunk(6, -1)
+    return dict(x=torch.randn(T, H, generator=g).to(bf16), b=torch.randn(T, H, generator=g).to(bf16),
+                w=(1 + 0.1 * torch.randn(H, generator=g)).to(bf16), shift=tables[0], scale=tables[1],
+                gate=tables[2], idx=torch.randint(0, K, (T,), generator=g),
+                idx2=torch.randint(0, K, (T,), generator=g))
+
+
+def site_a(x, b, w, shift, scale, gate, idx, idx2):
+    n = F.rms_norm(x, (H,), w, 1e-5)
+    return n * (1 + scale.index_select(0, idx)) + shift.index_select(0, idx)
+
+
+def fused_count(fn) -> int:
+    t = inputs()
+    expected = fn(**t)
+    got = torch.compile(fn, backend="h3_fused", options={"dtype_policy": "bf16"})(**t)
+    for e, g in zip(expected if isinstance(expected, tuple) else (expected,), got if isinstance(got, tuple) else (got,)):
+        assert torch.equal(e, g), "the compiled function must compute what eager computes"
+    return sum(v for k, v in counters["h3_fused"].items() if k != "refused")
+
+
+def test_site_a_alone_fuses():
+    assert fused_count(site_a) == 1
+
+
+NEAR_MISSES = {
+    "different index per gather": lambda x, b, w, shift, scale, gate, idx, idx2: (
+        F.rms_norm(x, (H,), w, 1e-5) * (1 + scale[idx]) + shift[idx2]),
+    "norm over another dim": lambda x, b, w, shift, scale, gate, idx, idx2: (
+        (x.float() * torch.rsqrt(x.float().pow(2).mean(0, keepdim=True) + 1e-5)).to(bf16) * (1 + scale[idx])
+        + shift[idx]),
+    "missing 1 +": lambda x, b, w, shift, scale, gate, idx, idx2: (
+        F.rms_norm(x, (H,), w, 1e-5) * scale[idx] + shift[idx]),
+    "2 + scale": lambda x, b, w, shift, scale, gate, idx, idx2: (
+        F.rms_norm(x, (H,), w, 1e-5) * (2 + scale[idx]) + shift[idx]),
+    "gate table of another width": lambda x, b, w, shift, scale, gate, idx, idx2: (
+        x + torch.cat([gate, gate], -1)[idx][:, :H] * b),
+    "gather along dim 1": lambda x, b, w, shift, scale, gate, idx, idx2: (
+        x + gate.t().index_select(1, idx).t() * b),
+    "interior value used elsewhere": lambda x, b, w, shift, scale, gate, idx, idx2: (
+        lambda n: (n * (1 + scale[idx]) + shift[idx], n.sum()))(F.rms_norm(x, (H,), w, 1e-5)),
+    "gated residual product used elsewhere": lambda x, b, w, shift, scale, gate, idx, idx2: (
+        lambda g: (x + g, g * 2))(gate[idx] * b),
+}
+
+
+@pytest.mark.parametrize("name", list(NEAR_MISSES))
+def test_near_misses_do_not_fuse(name):
+    assert fused_count(NEAR_MISSES[name]) == 0
+
+
+def test_refusals_are_logged_with_the_reason():
+    import logging
+
+    records = []
+    handler = logging.Handler(logging.DEBUG)
+    handler.emit = records.append
+    logger = logging.getLogger("h3_fused")
+    old_level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    try:
+        fused_count(NEAR_MISSES["different index per gather"])
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old_level)
+    assert any("different index tensors" in r.getMessage() for r in records)
+    assert counters["h3_fused"]["refused"] >= 1
+
+
+def test_gate_then_norm_fuses_as_one_site():
+    def fn(x, b, w, shift, scale, gate, idx, idx2):
+        u = (x + gate[idx] * b).to(bf16)
+        return u, site_a(u, b, w, shift, scale, gate, idx, idx2)
+
+    assert fused_count(fn) == 1
+    assert counters["h3_fused"]["gate_norm_modulate"] == 1
+
+
+def test_user_post_grad_pass_is_chained_not_dropped():
+    seen = []
+
+    def user_pass(graph):
+        seen.append(sum(1 for n in graph.nodes if "modulation" in str(n.target)))
+
+    with torch._inductor.config.patch(post_grad_custom_post_pass=user_pass):
+        assert fused_count(site_a) == 1
+    assert seen == [1], "the user's pass ran after ours and saw the fused op"
+    assert H3FusionPass(h3_fused.FusionOptions(), chained=user_pass).uuid() is None
+
+
+def test_uuid_covers_options_and_sources():
+    a, b = H3FusionPass(h3_fused.FusionOptions("bf16")), H3FusionPass(h3_fused.FusionOptions("fp32"))
+    assert a.uuid() != b.uuid() and a.uuid() == H3FusionPass(h3_fused.FusionOptions("bf16")).uuid()
+
+
+def test_bad_options_raise_clearly():
+    with pytest.raises(Exception, match="dtype_policy must be one of"):
+        torch.compile(site_a, backend="h3_fused", options={"dtype_policy": "bf17"})(**inputs())
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="h3_fused_policy"):
+        torch.compile(site_a, backend="h3_fused", options={"h3_fused_policy": "bf16"})(**inputs())
+
+
+def test_backend_entry_point_and_callable():
+    from importlib.metadata import entry_points
+
+    eps = [e for e in entry_points(group="torch_dynamo_backends") if e.name == "h3_fused"]
+    assert eps and eps[0].load() is h3_fused.h3_fused_backend
+
+
+def test_pass_cost_on_the_tiny_block_is_under_a_second():
+    from helpers import tiny
+
+    model, latents, layout = tiny(num_blocks=1, num_refiner_blocks=0, inline_attention=True)
+    block = model.blocks[0]
+    x = model.patch_embed(latents.to(bf16))
+    tables = model.adaln_proj(model.time_embed(layout.timesteps))
+    spent = []
+    original = H3FusionPass.__call__
+
+    def timed(self, graph):
+        start = time.perf_counter()
+        original(self, graph)
+        spent.append(time.perf_counter() - start)
+
+    H3FusionPass.__call__ = timed
+    try:
+        with torch.no_grad():
+            torch.compile(block, backend="h3_fused")(x, tables, layout.index, layout.positions, layout.cu_seqlens)
+    finally:
+        H3FusionPass.__call__ = original
+    assert spent and sum(spent) < 1.0
+
+
+CACHE_SCRIPT = r"""
+import sys, torch
+from torch._dynamo.utils import counters
+import torch.nn.functional as F
+H = 64
+def f(x, w, shift, scale, idx):
+    return F.rms_norm(x, (H,), w, 1e-5) * (1 + scale[idx]) + shift[idx]
+t = (0.3 * torch.randn(6, 2 * H)).to(torch.bfloat16).chunk(2, -1)
+args = (torch.randn(8, H).to(torch.bfloat16), torch.ones(H, dtype=torch.bfloat16), t[0], t[1], torch.randint(0, 6, (8,)))
+compiled = torch.compile(f, backend="h3_fused", options={"dtype_policy": sys.argv[1]})
+compiled(*args)
+with torch.profiler.profile() as p:
+    compiled(*args)
+ran = sum(1 for e in p.events() if e.name == "h3_fused::reference_modulation")
+print("hit", counters["inductor"]["fxgraph_cache_hit"], "miss", counters["inductor"]["fxgraph_cache_miss"], "ran", ran)
+"""
+
+
+def test_fx_graph_cache_hits_in_a_fresh_process_and_policy_change_misses(tmp_path):
+    env = {**__import__("os").environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path), "TORCHINDUCTOR_FX_GRAPH_CACHE": "1"}
+
+    def run(policy):
+        out = subprocess.run([sys.executable, "-c", CACHE_SCRIPT, policy], env=env, capture_output=True, text=True,
+                             timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return out.stdout.strip().splitlines()[-1]
+
+    assert run("bf16") == "hit 0 miss 1 ran 1"
+    assert run("bf16") == "hit 1 miss 0 ran 1", "fresh process: cache hit, and the fused code runs"
+    assert run("fp32") == "hit 0 miss 1 ran 1", "a policy change misses"
