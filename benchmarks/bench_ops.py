@@ -64,7 +64,7 @@ def run(args) -> list[dict]:
             nbytes = minimal_bytes(site, tokens, HIDDEN)
             for name, fn in variants(site):
                 u, y = outputs(site, fn(**inputs))
-                ms = do_bench(lambda fn=fn: fn(**inputs), return_mode="median")
+                ms = do_bench(lambda fn=fn, inputs=inputs: fn(**inputs), return_mode="median")
                 gbs = nbytes / ms / 1e6
                 row = dict(site=site, T=tokens, H=HIDDEN, variant=name, ms=ms, us=ms * 1e3, gbs=gbs,
                            roof_gbs=roof, roof_share=gbs / roof,
@@ -88,7 +88,7 @@ def sweep(site, tokens, inputs, nbytes, roof) -> list[dict]:
             for warps in (4, 8, 16, 32):
                 tm.launch_config = lambda h, bt=block_t, w=warps: (bt, triton.next_power_of_2(h), w)
                 fn = fused_site(site, "bf16")
-                ms = do_bench(lambda fn=fn: fn(**inputs), return_mode="median")
+                ms = do_bench(lambda fn=fn, inputs=inputs: fn(**inputs), return_mode="median")
                 gbs = nbytes / ms / 1e6
                 rows.append(dict(site=site, T=tokens, variant=f"sweep_bt{block_t}_w{warps}", ms=ms,
                                  gbs=gbs, roof_gbs=roof, roof_share=gbs / roof, mismatch=None))

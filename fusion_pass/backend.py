@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import torch
 import torch._inductor.config as inductor_config
+from h3_fused.kernels.policy import resolve_policy
 from torch._inductor import list_mode_options
 from torch._inductor.compile_fx import compile_fx
-
-from h3_fused.kernels.policy import resolve_policy
 
 from .graph_pass import H3FusionPass
 from .options import FusionOptions

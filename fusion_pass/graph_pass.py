@@ -12,18 +12,23 @@ import hashlib
 import pathlib
 import time
 
-import torch
-from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
-from torch.fx import Graph
-
 import h3_fused.kernels as kernels_pkg
 import h3_fused.patterns as patterns_pkg
+import torch
 from h3_fused.kernels.policy import resolve_policy
 from h3_fused.patterns import (
-    OP_NAMES, NoMatch, gate_residual_site, is_affine_candidate, is_gated_candidate, merge_gate_and_norm,
-    norm_modulate_site, replace_site,
+    OP_NAMES,
+    NoMatch,
+    gate_residual_site,
+    is_affine_candidate,
+    is_gated_candidate,
+    merge_gate_and_norm,
+    norm_modulate_site,
+    replace_site,
 )
 from h3_fused.patterns.graph_view import device_of
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+from torch.fx import Graph
 
 from .logs import count, log
 from .options import FusionOptions

@@ -3,7 +3,12 @@
 from .graph_view import NoMatch
 from .replacements import OP_NAMES, replace_site
 from .sites import (
-    Site, gate_residual_site, is_affine_candidate, is_gated_candidate, merge_gate_and_norm, norm_modulate_site,
+    Site,
+    gate_residual_site,
+    is_affine_candidate,
+    is_gated_candidate,
+    merge_gate_and_norm,
+    norm_modulate_site,
 )
 
 __all__ = [

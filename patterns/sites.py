@@ -19,8 +19,22 @@ import torch
 from torch.fx import Node
 
 from .graph_view import (
-    ADD, CONVERT, GATHER, MUL, NoMatch, aten, device_of, dtype_of, either_order, expect, is_op, is_scalar,
-    operands, shape_of, strip_converts, strip_views,
+    ADD,
+    CONVERT,
+    GATHER,
+    MUL,
+    NoMatch,
+    aten,
+    device_of,
+    dtype_of,
+    either_order,
+    expect,
+    is_op,
+    is_scalar,
+    operands,
+    shape_of,
+    strip_converts,
+    strip_views,
 )
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)

@@ -8,8 +8,6 @@ from minimax_h3 import H3Config, H3Model, example_inputs, init_weights
 from torch._dynamo.utils import counters
 from torch._inductor.utils import run_and_get_code
 
-import h3_fused
-
 pytestmark = pytest.mark.gpu
 REAL_TOKENS = 15808
 

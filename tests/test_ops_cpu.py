@@ -8,10 +8,9 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from h3_fused.kernels import gate_norm_modulate, gate_residual, norm_modulate
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from h3_fused.kernels import gate_norm_modulate, gate_residual, norm_modulate
 
 bf16, f32 = torch.bfloat16, torch.float32
 

@@ -2,13 +2,12 @@
 
 import dataclasses
 
+import h3_fused
 import pytest
 import torch
 from helpers import fused_ops_run, tiny
 from minimax_h3 import H3Config, H3Model, Spellings, example_inputs, init_weights
 from torch._dynamo.utils import counters
-
-import h3_fused
 
 
 @pytest.fixture(autouse=True)

@@ -4,13 +4,12 @@ import subprocess
 import sys
 import time
 
+import h3_fused
 import pytest
 import torch
 import torch.nn.functional as F
-from torch._dynamo.utils import counters
-
-import h3_fused
 from h3_fused import H3FusionPass
+from torch._dynamo.utils import counters
 
 bf16 = torch.bfloat16
 H, K, T = 64, 6, 16
