@@ -8,7 +8,10 @@ outputs; the site's interior nodes are then erased.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
+from torch._guards import detect_fake_mode
 from torch._inductor.pattern_matcher import fwd_only
 from torch._subclasses.functional_tensor import dispatch_functionalize
 from torch.fx import Graph, Node
@@ -53,7 +56,9 @@ def replace_site(graph: Graph, site: Site, policy: str) -> list[Node]:
     outside_users = [u for out in site.outputs for u in out.users if u not in interior]
     expect(all(pos[u] > pos[last_input] for u in outside_users),
            "an output is used before every input of the site is ready")
-    traced = fwd_only(dispatch_functionalize(fn), [n.meta["val"] for n in inputs])
+    vals = [n.meta["val"] for n in inputs]
+    with detect_fake_mode(vals) or contextlib.nullcontext():  # Triton HOPs trace only under the fake mode
+        traced = fwd_only(dispatch_functionalize(fn), vals)
     placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
     with graph.inserting_before(last_input.next):
         new_outputs = graph.graph_copy(traced.graph, dict(zip(placeholders, inputs)))

@@ -52,11 +52,14 @@ def test_fp32_policy_error_no_larger_than_eager():
     assert (y.double() - y64).abs().mean() <= (y_eager.double() - y64).abs().mean()
 
 
-def test_in_compiled_graph_matches_bare_op():
-    inputs = make_inputs("B", 3072)
-    bare = fused_site("B", "bf16")(**inputs)
-    compiled = torch.compile(fused_site("B", "bf16"))(**inputs)
-    assert torch.equal(bare[0], compiled[0]) and torch.equal(bare[1], compiled[1])
+def test_in_compiled_graph_obeys_the_policy():
+    inputs = make_inputs("B", 15808)
+    ref_u, ref_y = eager_site("B")(**inputs)
+    u, y = torch.compile(fused_site("B", "bf16"))(**inputs)
+    bare_u, bare_y = fused_site("B", "bf16")(**inputs)
+    print(f"y mismatch vs eager: in graph {_diff(y, ref_y):.2e}, bare {_diff(bare_y, ref_y):.2e}; "
+          f"in graph vs bare {_diff(y, bare_y):.2e}")
+    assert torch.equal(u, ref_u) and _diff(y, ref_y) <= 1e-5
 
 
 def test_out_of_range_index_traps_with_a_message():
