@@ -7,7 +7,9 @@ Variants, measured side by side in one process: eager, Inductor default, Inducto
 compiled graph. Time: median of ``triton.testing.do_bench`` (L2 flushed before each repetition).
 ``roof_gbs`` is the device-to-device copy bandwidth measured in the same run; ``mismatch`` the share of
 output elements not bit-identical to eager (for site B: of ``y``; ``mismatch_u`` of the residual).
-``--sweep`` also times the fused ``bf16`` op over launch configurations (BLOCK_T, num_warps).
+``h3_fused_bf16_cudagraph`` is the bare op replayed in a CUDA graph (``do_bench_cudagraph``: no host
+overhead, L2 not flushed). ``--sweep`` times the ``bf16`` kernel the same way over launch
+configurations (BLOCK_T, num_warps) and prints registers and spills of each.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import sys
 
 import torch
 import triton
-from triton.testing import do_bench
+from triton.testing import do_bench, do_bench_cudagraph
 
 sys.path.insert(0, os.path.dirname(__file__))
 from sites import SITES, eager_site, fused_site, make_inputs, minimal_bytes  # noqa: E402
@@ -46,6 +48,7 @@ def variants(site: str):
     yield "inductor_epc", torch.compile(eager, dynamic=False, options={"emulate_precision_casts": True})
     yield "h3_fused_fp32", fused_site(site, "fp32")
     yield "h3_fused_bf16", fused_site(site, "bf16")
+    yield "h3_fused_bf16_cudagraph", fused_site(site, "bf16")
     yield "h3_fused_bf16_in_graph", torch.compile(fused_site(site, "bf16"), dynamic=False)
 
 
@@ -64,7 +67,8 @@ def run(args) -> list[dict]:
             nbytes = minimal_bytes(site, tokens, HIDDEN)
             for name, fn in variants(site):
                 u, y = outputs(site, fn(**inputs))
-                ms = do_bench(lambda fn=fn, inputs=inputs: fn(**inputs), return_mode="median")
+                bench = do_bench_cudagraph if name.endswith("cudagraph") else do_bench
+                ms = bench(lambda fn=fn, inputs=inputs: fn(**inputs), return_mode="median")
                 gbs = nbytes / ms / 1e6
                 row = dict(site=site, T=tokens, H=HIDDEN, variant=name, ms=ms, us=ms * 1e3, gbs=gbs,
                            roof_gbs=roof, roof_share=gbs / roof,
@@ -73,27 +77,32 @@ def run(args) -> list[dict]:
                 rows.append(row)
                 print(f"{site} T={tokens:6d} {name:24s} {row['us']:9.1f} us {gbs:7.0f} GB/s "
                       f"{100 * row['roof_share']:5.1f}%  mismatch {row['mismatch']:.2e}", flush=True)
-            if args.sweep and tokens == 15808:
+            if args.sweep and tokens in (3072, 15808):
                 rows += sweep(site, tokens, inputs, nbytes, roof)
     return rows
 
 
 def sweep(site, tokens, inputs, nbytes, roof) -> list[dict]:
     from h3_fused.kernels import triton_modulation as tm
+    from h3_fused.kernels.contract import check_args
 
+    a = check_args(**inputs, policy="bf16", has_norm=site != "C")
+    u = torch.empty(a.out_shape, dtype=a.dtype, device="cuda") if site != "A" else None
+    y = torch.empty(a.out_shape, dtype=a.dtype, device="cuda") if site != "C" else None
     original = tm.launch_config
     rows = []
     try:
         for block_t in (1, 2, 4):
             for warps in (4, 8, 16, 32):
                 tm.launch_config = lambda h, bt=block_t, w=warps: (bt, triton.next_power_of_2(h), w)
-                fn = fused_site(site, "bf16")
-                ms = do_bench(lambda fn=fn, inputs=inputs: fn(**inputs), return_mode="median")
+                compiled = tm.launch_modulation(a, u, y, lambda k: k)
+                ms = do_bench_cudagraph(lambda: tm.launch_modulation(a, u, y, lambda k: k), return_mode="median")
                 gbs = nbytes / ms / 1e6
-                rows.append(dict(site=site, T=tokens, variant=f"sweep_bt{block_t}_w{warps}", ms=ms,
-                                 gbs=gbs, roof_gbs=roof, roof_share=gbs / roof, mismatch=None))
-                print(f"   sweep BLOCK_T={block_t} warps={warps:2d}: {ms * 1e3:8.1f} us "
-                      f"{100 * gbs / roof:5.1f}%", flush=True)
+                rows.append(dict(site=site, T=tokens, variant=f"sweep_bt{block_t}_w{warps}", ms=ms, gbs=gbs,
+                                 roof_gbs=roof, roof_share=gbs / roof, mismatch=None,
+                                 regs=compiled.n_regs, spills=compiled.n_spills))
+                print(f"   sweep BLOCK_T={block_t} warps={warps:2d}: {ms * 1e3:8.1f} us {100 * gbs / roof:5.1f}% "
+                      f"regs {compiled.n_regs} spills {compiled.n_spills}", flush=True)
     finally:
         tm.launch_config = original
     return rows

@@ -134,7 +134,7 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def launch_modulation(a: ModulationArgs, u: torch.Tensor | None, y: torch.Tensor | None, wrap) -> None:
+def launch_modulation(a: ModulationArgs, u: torch.Tensor | None, y: torch.Tensor | None, wrap):
     """Run ``modulation_kernel`` for ``a`` into ``u``/``y`` (``wrap`` = ``torch.library.wrap_triton``).
 
     Arguments a site does not use are passed as an alias of one it does; the kernel never reads them.
@@ -152,7 +152,7 @@ def launch_modulation(a: ModulationArgs, u: torch.Tensor | None, y: torch.Tensor
     x, res, branch = rows_or_alias(a.x), rows_or_alias(a.residual), rows_or_alias(a.branch)
     gate, shift, scale = table_or_alias(a.gate), table_or_alias(a.shift), table_or_alias(a.scale)
     r = a.rounding
-    wrap(modulation_kernel)[(triton.cdiv(a.rows, block_t),)](
+    return wrap(modulation_kernel)[(triton.cdiv(a.rows, block_t),)](
         x, res, branch, gate, table_or_alias(a.weight), shift, scale, a.index,
         y if u is None else u, u if y is None else y,
         a.rows, a.hidden, a.num_table_rows, a.eps, 1.0 / a.hidden,
