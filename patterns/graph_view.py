@@ -11,6 +11,7 @@ from collections.abc import Iterable
 
 import torch
 from torch.fx import Node
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 aten, prims = torch.ops.aten, torch.ops.prims
 
@@ -41,6 +42,15 @@ def dtype_of(node: object) -> torch.dtype | None:
 def shape_of(node: object) -> tuple | None:
     v = val(node)
     return tuple(v.shape) if isinstance(v, torch.Tensor) else None
+
+
+def same_size(a, b) -> bool:
+    """``a == b`` for sizes that may be symbolic: true only if provable without adding a guard."""
+    return statically_known_true(a == b)
+
+
+def same_shape(a: tuple | None, b: tuple | None) -> bool:
+    return a is not None and b is not None and len(a) == len(b) and all(same_size(x, y) for x, y in zip(a, b))
 
 
 def device_of(node: object) -> torch.device | None:

@@ -32,6 +32,8 @@ from .graph_view import (
     is_op,
     is_scalar,
     operands,
+    same_shape,
+    same_size,
     shape_of,
     strip_converts,
     strip_views,
@@ -105,7 +107,7 @@ def _match_norm_core(node: object, act: torch.dtype):
     expect(is_op(r, (aten.rsqrt.default,)), f"{node}: no rsqrt factor")
     shifted = r.args[0]
     mean, eps = either_order(operands(shifted, ADD, "var + eps"), lambda v: is_op(v, (aten.mean.dim,)))
-    expect(isinstance(eps, (int, float)) and not isinstance(eps, bool), f"{shifted}: eps is not a constant")
+    expect(isinstance(eps, (int, float)) and not isinstance(eps, bool), f"{shifted}: eps is not a constant (a graph input, e.g. a float attribute under dynamic=True)")
     sq_in, dims = mean.args[0], mean.args[1]
     keepdim = mean.args[2] if len(mean.args) > 2 else mean.kwargs.get("keepdim", False)
     rank = len(shape_of(x32) or ())
@@ -125,7 +127,7 @@ def _match_norm_core(node: object, act: torch.dtype):
 
 def _weight_source(w: object, hidden: int) -> Node:
     src = strip_converts(w)
-    expect(isinstance(src, Node) and shape_of(src) == (hidden,), f"{w}: norm weight is not [H={hidden}]")
+    expect(isinstance(src, Node) and same_shape(shape_of(src), (hidden,)), f"{w}: norm weight is not [H={hidden}]")
     expect(dtype_of(src) in ACTIVATION_DTYPES, f"{w}: norm weight dtype {dtype_of(src)}")
     return src
 
@@ -221,7 +223,7 @@ def match_gated(u: object) -> Gated:
     gate = match_gather(gate_rows)
     expect(not _is_gather(res), f"{top}: the residual is itself a table row, not a residual stream")
     for name, v in (("residual", res), ("branch", branch)):
-        expect(dtype_of(v) == act and shape_of(v) == shape_of(u), f"{u}: {name} {v} is not a {act} activation")
+        expect(dtype_of(v) == act and same_shape(shape_of(v), shape_of(u)), f"{u}: {name} {v} is not a {act} activation")
     expect(dtype_of(top) in (act, f32) and dtype_of(prod) == dtype_of(top), f"{u}: the gated residual mixes dtypes")
     return Gated(u, res, branch, gate, dtype_of(prod), nodes + [top, prod])
 
@@ -232,11 +234,11 @@ def check_site(outputs: list[Node], gathers: list[Gather], act_node: Node, inter
     index = gathers[0].index
     for g in gathers:
         expect(g.index is index, f"{g.output}: gathers of one site use different index tensors")
-        expect(shape_of(g.table)[1] == hidden, f"{g.table}: table width {shape_of(g.table)[1]} != H={hidden}")
-    rows = {shape_of(g.table)[0] for g in gathers}
-    expect(len(rows) == 1, f"tables of one site have different row counts {sorted(map(str, rows))}")
+        expect(same_size(shape_of(g.table)[1], hidden), f"{g.table}: table width {shape_of(g.table)[1]} != H={hidden}")
+        expect(same_size(shape_of(g.table)[0], shape_of(gathers[0].table)[0]),
+               "tables of one site have different row counts")
     lead = shape_of(act_node)[:-1]
-    expect(_numel(shape_of(index)) == _numel(lead), f"{index}: index has {shape_of(index)} for activations {lead}")
+    expect(same_size(_numel(shape_of(index)), _numel(lead)), f"{index}: index has {shape_of(index)} for activations {lead}")
     device = device_of(act_node)
     expect(device is not None and device.type in DEVICES, f"{act_node}: device {device} is not CUDA or CPU")
     for g in gathers:
@@ -295,7 +297,7 @@ def norm_modulate_site(y: Node) -> Site:
     hidden = shape_of(y)[-1]
     norm = match_norm(aff.n, act, hidden)
     gathers = [aff.scale, aff.shift]
-    expect(shape_of(norm.x) == shape_of(y), f"{y}: output shape differs from the norm input")
+    expect(same_shape(shape_of(norm.x), shape_of(y)), f"{y}: output shape differs from the norm input")
     upcast = _upcast(gathers, aff.compute) if aff.compute != act else False
     expect(aff.compute == act or upcast or dtype_of(aff.scale.table) == f32,
            f"{y}: affine in {aff.compute} with {dtype_of(aff.scale.table)} tables")
@@ -322,7 +324,7 @@ def merge_gate_and_norm(c: Site, a: Site) -> Site:
     expect(a.inputs["x"] is u, "the norm input is not this gated residual")
     expect(a.inputs["index"] is c.inputs["index"], "the gate and the modulation use different index tensors")
     expect(a.upcast_tables == c.upcast_tables, "the gate and the modulation tables differ in upcasting")
-    expect(shape_of(c.inputs["gate"])[0] == shape_of(a.inputs["shift"])[0], "gate and modulation tables differ in K")
+    expect(same_size(shape_of(c.inputs["gate"])[0], shape_of(a.inputs["shift"])[0]), "gate and modulation tables differ in K")
     inputs = dict(residual=c.inputs["residual"], gate=c.inputs["gate"], branch=c.inputs["branch"],
                   weight=a.inputs["weight"], shift=a.inputs["shift"], scale=a.inputs["scale"],
                   index=c.inputs["index"])
