@@ -1,0 +1,205 @@
+"""Block-, model- and trajectory-level benchmark of h3_fused against eager and Inductor (CUDA).
+
+    python benchmarks/bench_model.py --out benchmarks/results/model.json [--blocks 8] [--steps 20]
+
+1. Block: one real-size block (H=5376, 56x128 heads, FFN 14,336), T=15,808, attention in its
+   ``torch.compiler.disable`` island as upstream: eager, Inductor regional, h3_fused regional under
+   each policy. ms per block, CUDA kernels per block, the modulation kernels' share of GPU time.
+2. Model: ``--blocks`` real-size blocks (inline attention, random weights), whole-model and regional
+   compile: CUDA kernels and ms per forward.
+3. Trajectory: a flow-matching Euler run (``--steps``, fixed seed) of a ``--traj-blocks`` deep model:
+   PSNR of every step's latent against eager, per variant.
+4. Compile time: first compile and warm-FX-cache compile of the regional block, per variant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+import triton
+from torch._dynamo.utils import counters
+from tqdm import tqdm
+from triton.testing import do_bench
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+from minimax_h3 import H3Config, H3Model, TokenLayout, euler_sample, example_inputs, init_weights  # noqa: E402
+
+TOKENS = 15808
+VARIANTS = {  # name -> (backend, options)
+    "eager": None,
+    "inductor": ("inductor", {}),
+    "inductor_epc": ("inductor", {"emulate_precision_casts": True}),
+    "h3_fused_fp32": ("h3_fused", {"dtype_policy": "fp32"}),
+    "h3_fused_bf16": ("h3_fused", {"dtype_policy": "bf16"}),
+}
+
+
+def real_model(blocks: int, inline: bool, seed: int = 0) -> H3Model:
+    cfg = dataclasses.replace(H3Config.real(), num_blocks=blocks, num_refiner_blocks=0, inline_attention=inline)
+    return init_weights(H3Model(cfg, device="cuda"), seed=seed)
+
+
+def compile_regional(model, variant):
+    spec = VARIANTS[variant]
+    if spec is None:
+        return model
+    backend, options = spec
+    for block in model.blocks:
+        block.compile(backend=backend, options=options or None, dynamic=False)
+    return model
+
+
+def profile_kernels(fn) -> tuple[int, float, float]:
+    """(CUDA kernels, total kernel us, modulation-kernel us) of one call."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    total = sum(e.device_time for e in kernels)
+    mod = sum(e.device_time for e in kernels if "modulation_kernel" in e.name)
+    return len(kernels), total, mod
+
+
+def block_level(rows):
+    for variant in tqdm(VARIANTS, desc="block"):
+        torch._dynamo.reset()
+        model = real_model(1, inline=False)
+        latents, layout = example_inputs(model.cfg, TOKENS, segments=2, device="cuda")
+        block = model.blocks[0]
+        with torch.no_grad():
+            tables = model.adaln_proj(model.time_embed(layout.timesteps))
+            x = model.patch_embed(latents.to(torch.bfloat16))
+            compile_regional(model, variant)
+            start = time.perf_counter()
+            block(x, tables, layout.index, layout.positions, layout.cu_seqlens)
+            torch.cuda.synchronize()
+            first = time.perf_counter() - start
+            call = lambda: block(x, tables, layout.index, layout.positions, layout.cu_seqlens)  # noqa: E731
+            ms = do_bench(call, return_mode="median")
+            n, total, mod = profile_kernels(call)
+        rows.append(dict(level="block", variant=variant, T=TOKENS, ms=ms, kernels=n, first_call_s=first,
+                         modulation_share=mod / total if total else None))
+        print(f"block {variant:14s} {ms:7.3f} ms  {n:3d} kernels  first call {first:6.1f} s  "
+              f"modulation share {100 * mod / total if total else 0:5.1f}%", flush=True)
+
+
+def model_level(rows, blocks):
+    for mode in ("regional", "whole"):
+        for variant in tqdm(("eager", "inductor", "h3_fused_bf16"), desc=f"model {mode}"):
+            if variant == "eager" and mode == "whole":
+                continue
+            torch._dynamo.reset()
+            model = real_model(blocks, inline=True)
+            latents, layout = example_inputs(model.cfg, TOKENS, segments=2, device="cuda")
+            with torch.no_grad():
+                if variant == "eager":
+                    fn = model
+                elif mode == "regional":
+                    fn = compile_regional(model, variant)
+                else:
+                    backend, options = VARIANTS[variant]
+                    fn = torch.compile(model, backend=backend, options=options or None, dynamic=False)
+                call = lambda fn=fn: fn(latents, layout)  # noqa: E731
+                start = time.perf_counter()
+                call()
+                torch.cuda.synchronize()
+                first = time.perf_counter() - start
+                ms = do_bench(call, return_mode="median", rep=200)
+                n, _, _ = profile_kernels(call)
+            rows.append(dict(level="model", mode=mode, variant=variant, blocks=blocks, T=TOKENS, ms=ms, kernels=n,
+                             first_call_s=first))
+            print(f"model {mode:8s} {variant:14s} {blocks} blocks: {ms:8.2f} ms  {n:5d} kernels/forward  "
+                  f"compile+run {first:6.1f} s", flush=True)
+            del model, fn
+
+
+def psnr(x: torch.Tensor, ref: torch.Tensor) -> float:
+    mse = (x.double() - ref.double()).pow(2).mean().item()
+    peak = ref.double().abs().max().item()
+    return math.inf if mse == 0 else 10 * math.log10(peak * peak / mse)
+
+
+def trajectory(rows, blocks, steps, tokens):
+    cfg = dataclasses.replace(H3Config.real(), num_blocks=blocks, num_refiner_blocks=0, inline_attention=True)
+    noise, layout0 = example_inputs(cfg, tokens, segments=2, device="cuda", seed=7)
+    video = layout0.index % 3 != 1  # text tokens stay clean (t=0), the rest follow sigma
+
+    def layout_at(sigma):
+        per_token = torch.where(video.cpu(), torch.tensor(sigma), torch.tensor(0.0))
+        modality = (layout0.index.cpu() % 3).long()
+        built = TokenLayout.build(per_token, modality, layout0.positions.cpu(), layout0.cu_seqlens)
+        return TokenLayout(built.timesteps.cuda(), built.index.cuda(), built.timestep_index.cuda(),
+                           built.positions.cuda(), built.cu_seqlens)
+
+    latents = {}
+    for variant in tqdm(VARIANTS, desc="trajectory"):
+        torch._dynamo.reset()
+        model = real_model(blocks, inline=True, seed=3)
+        spec = VARIANTS[variant]
+        fn = model if spec is None else torch.compile(model, backend=spec[0], options=spec[1] or None)
+        steps_out = []
+        with torch.no_grad():
+            euler_sample(fn, noise, layout_at, steps=steps, on_step=lambda i, x: steps_out.append(x.clone()))
+        latents[variant] = steps_out
+        del model, fn
+    for variant in VARIANTS:
+        curve = [psnr(x, r) for x, r in zip(latents[variant], latents["eager"])]
+        rows.append(dict(level="trajectory", variant=variant, blocks=blocks, steps=steps, T=tokens, psnr=curve))
+        print(f"trajectory {variant:14s} PSNR step 1 {curve[0]:6.2f} dB  final {curve[-1]:6.2f} dB", flush=True)
+
+
+def compile_times(rows):
+    for variant in tqdm([v for v in VARIANTS if v != "eager"], desc="compile time"):
+        times = []
+        for _ in range(2):  # first: cold FX cache (fresh dir); second: warm cache after a dynamo reset
+            torch._dynamo.reset()
+            model = real_model(1, inline=True)
+            latents, layout = example_inputs(model.cfg, 3072, device="cuda")
+            with torch.no_grad():
+                compile_regional(model, variant)
+                start = time.perf_counter()
+                model(latents, layout)
+                torch.cuda.synchronize()
+                times.append(time.perf_counter() - start)
+        rows.append(dict(level="compile", variant=variant, first_s=times[0], warm_cache_s=times[1]))
+        print(f"compile {variant:14s} first {times[0]:6.1f} s  warm cache {times[1]:6.1f} s", flush=True)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="benchmarks/results/model.json")
+    parser.add_argument("--blocks", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--traj-blocks", type=int, default=4)
+    parser.add_argument("--traj-tokens", type=int, default=4096)
+    parser.add_argument("--parts", default="block,model,trajectory,compile")
+    args = parser.parse_args()
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", f"/tmp/h3_fused_bench_cache_{os.getpid()}")
+    rows = []
+    parts = args.parts.split(",")
+    if "compile" in parts:
+        compile_times(rows)
+    if "block" in parts:
+        block_level(rows)
+    if "model" in parts:
+        model_level(rows, args.blocks)
+    if "trajectory" in parts:
+        trajectory(rows, args.traj_blocks, args.steps, args.traj_tokens)
+    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                counters=dict(counters["h3_fused"]))
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump([dict(meta, **r) for r in rows], f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
