@@ -86,3 +86,11 @@ def test_opcheck_on_cuda():
                           dict(eps=1e-5, policy="fp32"))
     torch.library.opcheck(torch.ops.h3_fused.gate_residual.default,
                           tuple(c[k] for k in ("residual", "gate", "branch", "index")), dict(policy="bf16"))
+
+
+def test_64_bit_offsets_past_2_to_the_31_elements():
+    tokens = (2**31) // 5376 + 64  # T x H >= 2^31 elements per activation tensor
+    inputs = make_inputs("C", tokens)
+    ref = eager_site("C")(**inputs)
+    got = fused_site("C", "bf16")(**inputs)
+    assert torch.equal(got[-128:], ref[-128:]) and torch.equal(got, ref)

@@ -47,3 +47,14 @@ def test_two_gloo_ranks_equal_single_process(tmp_path):
     expected = single_process_reference()
     assert got.shape == expected.shape
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+def test_two_gloo_ranks_compiled_with_h3_fused_match_eager_per_policy(tmp_path):
+    expected = single_process_reference()
+    (tmp_path / "bf16").mkdir()
+    (tmp_path / "fp32").mkdir()
+    got_bf16 = run_sequence_parallel(tmp_path / "bf16", "h3_fused", {"dtype_policy": "bf16"})
+    torch.testing.assert_close(got_bf16, expected, rtol=0, atol=0)
+    got_fp32 = run_sequence_parallel(tmp_path / "fp32", "h3_fused", {"dtype_policy": "fp32"})
+    assert not torch.equal(got_fp32, expected)
+    torch.testing.assert_close(got_fp32, expected, rtol=0.05, atol=0.02 * expected.abs().max().item())
