@@ -104,7 +104,7 @@ def build(case: Case):
             x = gate(x, index)
         n = normed(x)
         y = modulate(n, index)
-        extra = n.float().sum() if miss == "interior_used" else y
+        extra = n.float().abs().sum() if miss == "interior_used" else y
         return (x, y, extra)
 
     if miss == "interior_used" and case.site == "C":
