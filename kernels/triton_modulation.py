@@ -85,39 +85,32 @@ def modulation_kernel(
     idx = tl.where(bad, 0, idx)
     out_offsets = rows[:, None] * hidden + cols[None, :]
 
-    if HAS_NORM:  # table rows and weight first: their (L2) latency overlaps the activation reads
-        scale = tl.load(scale_ptr + idx[:, None] * stride_scale + cols[None, :], mask=mask, other=0.0,
-                        eviction_policy="evict_last")
-        shift = tl.load(shift_ptr + idx[:, None] * stride_shift + cols[None, :], mask=mask, other=0.0,
-                        eviction_policy="evict_last")
-        if HAS_WEIGHT:
-            w = tl.load(w_ptr + cols, mask=cols < hidden, other=0.0, eviction_policy="evict_last").to(tl.float32)
-
     if HAS_GATE:
-        gate = tl.load(gate_ptr + idx[:, None] * stride_gate + cols[None, :], mask=mask, other=0.0,
-                       eviction_policy="evict_last").to(tl.float32)
-        res = tl.load(res_ptr + rows[:, None] * stride_res + cols[None, :], mask=mask, other=0.0,
-                      eviction_policy="evict_first").to(tl.float32)
-        branch = tl.load(branch_ptr + rows[:, None] * stride_branch + cols[None, :], mask=mask, other=0.0,
-                         eviction_policy="evict_first").to(tl.float32)
+        res = tl.load(res_ptr + rows[:, None] * stride_res + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        branch = tl.load(branch_ptr + rows[:, None] * stride_branch + cols[None, :], mask=mask,
+                         other=0.0).to(tl.float32)
+        gate = tl.load(gate_ptr + idx[:, None] * stride_gate + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         g = _mul_rn(gate, branch, zero)
         if ROUND_GATE:
             g = _rounded(g, act, PORTABLE)
         u = _rounded(res + g, act, PORTABLE)
         tl.store(u_ptr + out_offsets, u.to(act), mask=mask)
     else:
-        u = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0,
-                    eviction_policy="evict_first").to(tl.float32)
+        u = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
 
     if HAS_NORM:
-        r = _rsqrt(tl.sum(u * u, axis=1) * inv_hidden + eps, PORTABLE)
+        # fp32 scalars even where Inductor passes them as constexpr floats (which would compute in fp64)
+        r = _rsqrt(tl.sum(u * u, axis=1) * tl.cast(inv_hidden, tl.float32) + tl.cast(eps, tl.float32), PORTABLE)
         n = u * r[:, None]
         if HAS_WEIGHT:
+            w = tl.load(w_ptr + cols, mask=cols < hidden, other=0.0).to(tl.float32)
             if ROUND_NORM_BEFORE_WEIGHT:
                 n = _rounded(n, act, PORTABLE)
             n = n * w[None, :]
         if ROUND_NORM:
             n = _rounded(n, act, PORTABLE)
+        scale = tl.load(scale_ptr + idx[:, None] * stride_scale + cols[None, :], mask=mask, other=0.0)
+        shift = tl.load(shift_ptr + idx[:, None] * stride_shift + cols[None, :], mask=mask, other=0.0)
         p = 1.0 + scale.to(tl.float32)
         if ROUND_AFFINE:
             p = _rounded(p, act, PORTABLE)
@@ -134,7 +127,7 @@ def launch_config(hidden: int) -> tuple[int, int, int]:
     if block_h > MAX_BLOCK_H:
         raise ValueError(f"H={hidden} exceeds the kernel's limit of {MAX_BLOCK_H}")
     block_t = max(1, 2048 // block_h)
-    num_warps = max(1, min(16, block_t * block_h // 512))
+    num_warps = max(1, min(16, block_t * block_h // 1024))
     return block_t, block_h, num_warps
 
 
