@@ -169,15 +169,18 @@ class Affine:
     nodes: list[Node]
 
 
+def _site_output(out: object) -> tuple[torch.dtype, Node, list[Node]]:
+    """``(activation dtype, the value before an optional final cast, [that cast])`` of a site output."""
+    expect(isinstance(out, Node), "not a node")
+    act = dtype_of(out)
+    expect(act in ACTIVATION_DTYPES, f"{out}: dtype {act} is not an activation dtype")
+    if is_op(out, CONVERT):
+        return act, out.args[0], [out]
+    return act, out, []
+
+
 def match_affine(y: object) -> Affine:
-    expect(isinstance(y, Node), "not a node")
-    act = dtype_of(y)
-    expect(act in ACTIVATION_DTYPES, f"{y}: dtype {act} is not an activation dtype")
-    nodes = []
-    top = y
-    if is_op(top, CONVERT):
-        nodes.append(top)
-        top = top.args[0]
+    act, top, nodes = _site_output(y)
     compute = dtype_of(top)
     q, shift_rows = either_order(operands(top, ADD, "q + shift[idx]"), lambda v: is_op(v, MUL))
     shift = match_gather(shift_rows)
@@ -205,14 +208,7 @@ class Gated:
 
 
 def match_gated(u: object) -> Gated:
-    expect(isinstance(u, Node), "not a node")
-    act = dtype_of(u)
-    expect(act in ACTIVATION_DTYPES, f"{u}: dtype {act} is not an activation dtype")
-    nodes = []
-    top = u
-    if is_op(top, CONVERT):
-        nodes.append(top)
-        top = top.args[0]
+    act, top, nodes = _site_output(u)
 
     def gated_product(v):
         return is_op(v, MUL) and len(v.args) == 2 and any(_is_gather(a) for a in v.args)

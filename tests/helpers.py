@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 
+import h3_fused
 import torch
-from minimax_h3 import H3Config, H3Model, example_inputs, init_weights
+from minimax_h3 import H3Config, H3Model, Spellings, example_inputs, init_weights
 
 FUSED_OP_EVENT = "h3_fused::reference_modulation"  # what every fused site runs on the CPU
 
@@ -26,3 +27,27 @@ def fused_ops_run(fn) -> int:
 
 def with_config(model, **changes):
     return dataclasses.replace(model.cfg, **changes)
+
+
+PUBLIC_SPELLINGS = [  # spec section 2, one switch at a time, then all at once
+    Spellings(norm="native"),
+    Spellings(gather="getitem"),
+    Spellings(one_plus_first=False, gate_first=False),
+    Spellings(trailing_to=False),
+    Spellings(upcast_tables=True),
+    Spellings(fp32_tables=True),
+    Spellings(index_dtype=torch.int32),
+    Spellings(batched=True),
+    Spellings(norm="native", gather="getitem", upcast_tables=True, index_dtype=torch.int32, batched=True,
+              one_plus_first=False, gate_first=False),
+]
+
+
+def regional_against_eager(model, latents, layout, policy="bf16"):
+    """``(compiled output, eager output, fused ops per forward)`` after regional compile of ``model``."""
+    with torch.no_grad():
+        expected = model(latents, layout)
+        h3_fused.compile_repeated_blocks(model, options={"dtype_policy": policy})
+        got = model(latents, layout)
+        ran = fused_ops_run(lambda: model(latents, layout))
+    return got, expected, ran

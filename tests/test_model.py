@@ -4,12 +4,12 @@ import dataclasses
 
 import pytest
 import torch
+from helpers import PUBLIC_SPELLINGS
 from minimax_h3 import (
     CheckpointError,
     H3Config,
     H3Model,
     NativeRMSNorm,
-    Spellings,
     build_table_index,
     example_inputs,
     init_weights,
@@ -101,20 +101,9 @@ def test_bad_checkpoints_name_the_keys(tmp_path):
     load_checkpoint(model, tmp_path / "extra.safetensors", strict=False)
 
 
-SPELLINGS = [
-    Spellings(norm="native"),
-    Spellings(gather="getitem"),
-    Spellings(one_plus_first=False, gate_first=False),
-    Spellings(trailing_to=False),
-    Spellings(upcast_tables=True),
-    Spellings(fp32_tables=True),
-    Spellings(index_dtype=torch.int32),
-    Spellings(batched=True),
-    Spellings(norm="native", gather="getitem", upcast_tables=True, index_dtype=torch.int32, batched=True),
-]
 
 
-@pytest.mark.parametrize("spell", SPELLINGS, ids=repr)
+@pytest.mark.parametrize("spell", PUBLIC_SPELLINGS, ids=repr)
 def test_every_spelling_computes_the_same_model(spell):
     reference = tiny_model()
     variant = tiny_model(spellings=spell)

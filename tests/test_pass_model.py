@@ -5,8 +5,8 @@ import dataclasses
 import h3_fused
 import pytest
 import torch
-from helpers import fused_ops_run, tiny
-from minimax_h3 import H3Config, H3Model, Spellings, example_inputs, init_weights
+from helpers import PUBLIC_SPELLINGS, fused_ops_run, regional_against_eager, tiny
+from minimax_h3 import H3Config, H3Model, example_inputs, init_weights
 from torch._dynamo.utils import counters
 
 
@@ -86,39 +86,21 @@ def test_no_graph_break_added():
     assert graphs("h3_fused") == graphs("inductor")
 
 
-SPELLINGS = [
-    Spellings(norm="native"),
-    Spellings(gather="getitem"),
-    Spellings(one_plus_first=False, gate_first=False),
-    Spellings(trailing_to=False),
-    Spellings(upcast_tables=True),
-    Spellings(fp32_tables=True),
-    Spellings(index_dtype=torch.int32),
-    Spellings(batched=True),
-    Spellings(norm="native", gather="getitem", upcast_tables=True, index_dtype=torch.int32, batched=True,
-              one_plus_first=False, gate_first=False),
-]
 
 
-@pytest.mark.parametrize("spell", SPELLINGS, ids=repr)
+@pytest.mark.parametrize("spell", PUBLIC_SPELLINGS, ids=repr)
 def test_every_public_spelling_fuses_bit_exact(spell):
     model, latents, layout = tiny(spellings=spell)
-    with torch.no_grad():
-        expected = model(latents, layout)
-        h3_fused.compile_repeated_blocks(model, options={"dtype_policy": "bf16"})
-        got = model(latents, layout)
-        assert fused_ops_run(lambda: model(latents, layout)) == 3 * blocks_of(model)
+    got, expected, ran = regional_against_eager(model, latents, layout)
+    assert ran == 3 * blocks_of(model)
     assert torch.equal(got, expected)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_other_activation_dtypes_fuse(dtype):
     model, latents, layout = tiny(dtype=dtype)
-    with torch.no_grad():
-        expected = model(latents, layout)
-        h3_fused.compile_repeated_blocks(model, options={"dtype_policy": "bf16"})
-        got = model(latents, layout)
-        assert fused_ops_run(lambda: model(latents, layout)) == 3 * blocks_of(model)
+    got, expected, ran = regional_against_eager(model, latents, layout)
+    assert ran == 3 * blocks_of(model)
     torch.testing.assert_close(got, expected, rtol=1e-2, atol=1e-2 * expected.abs().max().item())
 
 
@@ -127,11 +109,8 @@ def test_norm_without_weight_fuses():
     for block in (*model.blocks, *model.refiner_blocks):
         block.norm1 = torch.nn.RMSNorm(model.cfg.hidden_size, eps=1e-6, elementwise_affine=False,
                                        dtype=torch.bfloat16)
-    with torch.no_grad():
-        expected = model(latents, layout)
-        h3_fused.compile_repeated_blocks(model, options={"dtype_policy": "bf16"})
-        got = model(latents, layout)
-        assert fused_ops_run(lambda: model(latents, layout)) == 3 * blocks_of(model)
+    got, expected, ran = regional_against_eager(model, latents, layout)
+    assert ran == 3 * blocks_of(model)
     assert torch.equal(got, expected)
 
 
