@@ -7,7 +7,6 @@ refused candidates count under ``"refused"`` and are logged at DEBUG with the re
 from __future__ import annotations
 
 import logging
-import os
 
 import torch._logging._internal as torch_logging
 from torch._dynamo.utils import counters
@@ -16,13 +15,9 @@ LOG_NAME = "h3_fused"
 log = logging.getLogger(LOG_NAME)
 
 
-def _register() -> None:
-    torch_logging.register_log(LOG_NAME, LOG_NAME)
-    if os.environ.get("TORCH_LOGS"):
-        torch_logging._init_logs()  # re-read TORCH_LOGS now that our name is known
-
-
-_register()
+# TORCH_LOGS="+h3_fused" makes torch import this package while it parses the variable, so registering
+# at import is enough for torch to set up our handler (calling _init_logs here would add a second one).
+torch_logging.register_log(LOG_NAME, LOG_NAME)
 
 
 def count(key: str, n: int = 1) -> None:

@@ -50,10 +50,6 @@ def rounding_for(policy: str, activation: torch.dtype, gate_table: torch.dtype |
                     norm_before_weight=norm_rounds_before_weight, affine=low(mod_table))
 
 
-def _type_error(name: str, t: object, what: str) -> TypeError:
-    return TypeError(f"{name} must be {what}, got {type(t).__name__ if not isinstance(t, torch.Tensor) else t.dtype}")
-
-
 def check_tensor(name: str, t: object, dtypes) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")

@@ -7,8 +7,6 @@ Post-grad (functional, decomposed) graphs spell the modulation math with a few a
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import torch
 from torch.fx import Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
@@ -95,8 +93,3 @@ def strip_views(node: object) -> object:
 
 def is_scalar(x: object, value: float) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and float(x) == value
-
-
-def only_used_by(node: Node, allowed: Iterable[Node]) -> bool:
-    allowed = set(allowed)
-    return all(u in allowed for u in node.users)

@@ -23,6 +23,7 @@ from .graph_view import (
     CONVERT,
     GATHER,
     MUL,
+    VIEW,
     NoMatch,
     aten,
     device_of,
@@ -59,7 +60,7 @@ class Gather:
 def match_gather(node: object) -> Gather:
     nodes = []
     top = node
-    while is_op(top, CONVERT) or is_op(top, (aten.view.default, aten.reshape.default, aten._unsafe_view.default)):
+    while is_op(top, CONVERT) or is_op(top, VIEW):
         nodes.append(top)
         top = top.args[0]
     expect(is_op(top, GATHER), f"{node} is not a gather of table rows")
