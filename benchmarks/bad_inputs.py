@@ -2,13 +2,15 @@
 
     python benchmarks/bad_inputs.py [--device cpu|cuda]
 
-Each row runs one input; "ok" rows also check the result against eager.
+Each row runs one input; "ok" rows also check the result against eager. On CUDA every row runs in a
+process of its own and synchronizes, since a device-side assertion leaves the CUDA context unusable.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
 
 import torch
@@ -71,22 +73,42 @@ def case_list(device):
     yield "a model the pass cannot handle (fp64 site)", fp64_model
 
 
+def run_case(name, fn, device) -> str:
+    torch._dynamo.reset()
+    try:
+        result = fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        outcome, message = (result if isinstance(result, str) else "ok"), ""
+    except Exception as e:  # the sweep records every failure mode, whatever its type
+        outcome = type(e).__name__
+        lines = str(e).strip().splitlines()
+        message = next((m for m in lines if "must" in m or "out of range" in m or "unknown" in m
+                        or "Invalid" in m or "not" in m or "assert" in m), lines[0] if lines else "")
+    return f"| {name} | {outcome} | {message[:160].replace('|', '/')} |"
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--case", type=int, help="run only this row (used for CUDA rows)")
     args = parser.parse_args()
+    cases = list(case_list(args.device))
+    if args.case is not None:
+        print(run_case(*cases[args.case], args.device), flush=True)
+        return
     print(f"| input ({args.device}) | outcome | message |\n|---|---|---|")
-    for name, fn in case_list(args.device):
-        torch._dynamo.reset()
-        try:
-            result = fn()
-            outcome, message = (result if isinstance(result, str) else "ok"), ""
-        except Exception as e:  # the sweep records every failure mode, whatever its type
-            outcome = type(e).__name__
-            message = str(e).strip().splitlines()
-            message = next((m for m in message if "must" in m or "out of range" in m or "unknown" in m
-                            or "Invalid" in m or "not" in m), message[0] if message else "")
-        print(f"| {name} | {outcome} | {message[:160].replace('|', '/')} |", flush=True)
+    for i, (name, fn) in enumerate(cases):
+        if args.device != "cuda":
+            print(run_case(name, fn, args.device), flush=True)
+            continue
+        proc = subprocess.run([sys.executable, __file__, "--device", "cuda", "--case", str(i)],
+                              capture_output=True, text=True, timeout=300)
+        row = next((line for line in proc.stdout.splitlines() if line.startswith("|")), None)
+        if row is None:  # the process died: report how, with the device-side message if any
+            said = [line for line in (proc.stdout + proc.stderr).splitlines() if "h3_fused" in line or "Error" in line]
+            row = f"| {name} | process exited {proc.returncode} | {(said[-1] if said else '')[:160].replace('|', '/')} |"
+        print(row, flush=True)
 
 
 if __name__ == "__main__":
