@@ -2,6 +2,7 @@ import os
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 # Keep CPU runs reproducible and inside the 2-core CI budget.
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
@@ -14,3 +15,12 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture
+def fresh_compile():
+    """No compiled code, counters or FX-graph-cache hits carried over from another test."""
+    torch._dynamo.reset()
+    counters.clear()
+    with torch._inductor.config.patch(fx_graph_cache=False):
+        yield

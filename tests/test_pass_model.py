@@ -9,13 +9,7 @@ from helpers import PUBLIC_SPELLINGS, fused_ops_run, regional_against_eager, tin
 from minimax_h3 import H3Config, H3Model, example_inputs, init_weights
 from torch._dynamo.utils import counters
 
-
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    counters.clear()
-    with torch._inductor.config.patch(fx_graph_cache=False):
-        yield
+pytestmark = pytest.mark.usefixtures("fresh_compile")
 
 
 def blocks_of(model):

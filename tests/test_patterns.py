@@ -15,12 +15,7 @@ bf16 = torch.bfloat16
 H, K, T = 64, 6, 16
 
 
-@pytest.fixture(autouse=True)
-def fresh():
-    torch._dynamo.reset()
-    counters.clear()
-    with torch._inductor.config.patch(fx_graph_cache=False):
-        yield
+pytestmark = pytest.mark.usefixtures("fresh_compile")
 
 
 def inputs():
