@@ -1,12 +1,13 @@
 """Block-, model- and trajectory-level benchmark of h3_fused against eager and Inductor (CUDA).
 
-    python benchmarks/bench_model.py --out benchmarks/results/model.json [--blocks 8] [--steps 20]
+    python benchmarks/bench_model.py --out benchmarks/results/model.json [--blocks 49] [--whole-blocks 4]
 
 1. Block: one real-size block (H=5376, 56x128 heads, FFN 14,336), T=15,808, attention in its
    ``torch.compiler.disable`` island as upstream: eager, Inductor regional, h3_fused regional under
    each policy. ms per block, CUDA kernels per block, the modulation kernels' share of GPU time.
-2. Model: ``--blocks`` real-size blocks (inline attention, random weights), whole-model and regional
-   compile: CUDA kernels and ms per forward.
+2. Model: ``--blocks`` real-size blocks (inline attention, random weights) eager and under regional
+   compile, and ``--whole-blocks`` of them under whole-model compile (whose compile time grows with
+   the depth): CUDA kernels and ms per forward.
 3. Trajectory: a flow-matching Euler run (``--steps``, fixed seed) of a ``--traj-blocks`` deep model:
    PSNR of every step's latent against eager, per variant.
 4. Compile time: first compile and warm-FX-cache compile of the regional block, per variant.
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import math
 import os
@@ -56,8 +58,8 @@ def compile_regional(model, variant):
     return model
 
 
-def profile_kernels(fn) -> tuple[int, float, float]:
-    """(CUDA kernels, total kernel us, modulation-kernel us) of one call."""
+def profile_kernels(fn) -> tuple[int, float, float, int]:
+    """(CUDA kernels, total kernel us, fused-modulation kernel us, fused-modulation kernels) of one call."""
     fn()
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -65,13 +67,13 @@ def profile_kernels(fn) -> tuple[int, float, float]:
         torch.cuda.synchronize()
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     total = sum(e.device_time for e in kernels)
-    mod = sum(e.device_time for e in kernels if "modulation_kernel" in e.name)
-    return len(kernels), total, mod
+    fused = [e for e in kernels if "modulation_kernel" in e.name]
+    return len(kernels), total, sum(e.device_time for e in fused), len(fused)
 
 
 def block_level(rows):
     for variant in tqdm(VARIANTS, desc="block"):
-        torch._dynamo.reset()
+        release()
         model = real_model(1, inline=False)
         latents, layout = example_inputs(model.cfg, TOKENS, segments=2, device="cuda")
         block = model.blocks[0]
@@ -85,19 +87,27 @@ def block_level(rows):
             first = time.perf_counter() - start
             call = lambda: block(x, tables, layout.index, layout.positions, layout.cu_seqlens)  # noqa: E731
             ms = do_bench(call, return_mode="median")
-            n, total, mod = profile_kernels(call)
+            n, total, mod, fused = profile_kernels(call)
         rows.append(dict(level="block", variant=variant, T=TOKENS, ms=ms, kernels=n, first_call_s=first,
-                         modulation_share=mod / total if total else None))
-        print(f"block {variant:14s} {ms:7.3f} ms  {n:3d} kernels  first call {first:6.1f} s  "
-              f"modulation share {100 * mod / total if total else 0:5.1f}%", flush=True)
+                         fused_kernels=fused, fused_share=mod / total if total else None,
+                         counters=dict(counters["h3_fused"])))
+        print(f"block {variant:14s} {ms:7.3f} ms  {n:3d} kernels ({fused} fused)  first call {first:6.1f} s  "
+              f"fused-kernel share {100 * mod / total if total else 0:5.1f}%", flush=True)
 
 
-def model_level(rows, blocks):
-    for mode in ("regional", "whole"):
+def release():
+    torch._dynamo.reset()
+    counters.clear()
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def model_level(rows, regional_blocks, whole_blocks):
+    for mode, blocks in (("regional", regional_blocks), ("whole", whole_blocks)):
         for variant in tqdm(("eager", "inductor", "h3_fused_bf16"), desc=f"model {mode}"):
             if variant == "eager" and mode == "whole":
                 continue
-            torch._dynamo.reset()
+            release()
             model = real_model(blocks, inline=True)
             latents, layout = example_inputs(model.cfg, TOKENS, segments=2, device="cuda")
             with torch.no_grad():
@@ -114,12 +124,12 @@ def model_level(rows, blocks):
                 torch.cuda.synchronize()
                 first = time.perf_counter() - start
                 ms = do_bench(call, return_mode="median", rep=200)
-                n, _, _ = profile_kernels(call)
+                n, _, _, fused = profile_kernels(call)
             rows.append(dict(level="model", mode=mode, variant=variant, blocks=blocks, T=TOKENS, ms=ms, kernels=n,
-                             first_call_s=first))
-            print(f"model {mode:8s} {variant:14s} {blocks} blocks: {ms:8.2f} ms  {n:5d} kernels/forward  "
-                  f"compile+run {first:6.1f} s", flush=True)
-            del model, fn
+                             fused_kernels=fused, first_call_s=first, counters=dict(counters["h3_fused"])))
+            print(f"model {mode:8s} {variant:14s} {blocks} blocks: {ms:8.2f} ms  {n:5d} kernels/forward "
+                  f"({fused} fused)  compile+run {first:6.1f} s  counters {dict(counters['h3_fused'])}", flush=True)
+            del model, fn, call
 
 
 def psnr(x: torch.Tensor, ref: torch.Tensor) -> float:
@@ -129,8 +139,8 @@ def psnr(x: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def trajectory(rows, blocks, steps, tokens):
-    cfg = dataclasses.replace(H3Config.real(), num_blocks=blocks, num_refiner_blocks=0, inline_attention=True)
-    noise, layout0 = example_inputs(cfg, tokens, segments=2, device="cuda", seed=7)
+    model = real_model(blocks, inline=True, seed=3)  # one set of weights; each variant compiles it anew
+    noise, layout0 = example_inputs(model.cfg, tokens, segments=2, device="cuda", seed=7)
     video = layout0.index % 3 != 1  # text tokens stay clean (t=0), the rest follow sigma
 
     def layout_at(sigma):
@@ -142,15 +152,14 @@ def trajectory(rows, blocks, steps, tokens):
 
     latents = {}
     for variant in tqdm(VARIANTS, desc="trajectory"):
-        torch._dynamo.reset()
-        model = real_model(blocks, inline=True, seed=3)
+        release()
         spec = VARIANTS[variant]
         fn = model if spec is None else torch.compile(model, backend=spec[0], options=spec[1] or None)
         steps_out = []
         with torch.no_grad():
             euler_sample(fn, noise, layout_at, steps=steps, on_step=lambda i, x: steps_out.append(x.clone()))
         latents[variant] = steps_out
-        del model, fn
+        del fn
     for variant in VARIANTS:
         curve = [psnr(x, r) for x, r in zip(latents[variant], latents["eager"])]
         rows.append(dict(level="trajectory", variant=variant, blocks=blocks, steps=steps, T=tokens, psnr=curve))
@@ -177,28 +186,27 @@ def compile_times(rows):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="benchmarks/results/model.json")
-    parser.add_argument("--blocks", type=int, default=4)
+    parser.add_argument("--blocks", type=int, default=49, help="depth of the eager and regional model runs")
+    parser.add_argument("--whole-blocks", type=int, default=4, help="depth of the whole-model compile runs")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--traj-blocks", type=int, default=2)
     parser.add_argument("--traj-tokens", type=int, default=2048)
-    parser.add_argument("--parts", default="block,model,trajectory,compile")
+    parser.add_argument("--parts", default="compile,block,model,trajectory")
     args = parser.parse_args()
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", f"/tmp/h3_fused_bench_cache_{os.getpid()}")
-    rows = []
-    parts = args.parts.split(",")
-    if "compile" in parts:
-        compile_times(rows)
-    if "block" in parts:
-        block_level(rows)
-    if "model" in parts:
-        model_level(rows, args.blocks)
-    if "trajectory" in parts:
-        trajectory(rows, args.traj_blocks, args.steps, args.traj_tokens)
-    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                counters=dict(counters["h3_fused"]))
+    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)
+    parts = {
+        "compile": compile_times,
+        "block": block_level,
+        "model": lambda rows: model_level(rows, args.blocks, args.whole_blocks),
+        "trajectory": lambda rows: trajectory(rows, args.traj_blocks, args.steps, args.traj_tokens),
+    }
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump([dict(meta, **r) for r in rows], f, indent=1)
+    rows = []
+    for part in args.parts.split(","):
+        parts[part](rows)
+        with open(args.out, "w") as f:  # after every part: a run cut short keeps what it measured
+            json.dump([dict(meta, **r) for r in rows], f, indent=1)
 
 
 if __name__ == "__main__":

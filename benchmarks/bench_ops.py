@@ -3,14 +3,15 @@
     python benchmarks/bench_ops.py --out benchmarks/results/ops.json [--sweep]
 
 Variants, measured side by side in one process: eager, Inductor default, Inductor with
-``emulate_precision_casts``, the fused op under ``fp32`` and ``bf16``, and the ``bf16`` op inside a
+``emulate_precision_casts``, the hand-fused one-row kernel (``hand_fused.py``), the fused op under ``fp32`` and ``bf16``, and the ``bf16`` op inside a
 compiled graph. Time: median of ``triton.testing.do_bench`` (L2 flushed before each repetition).
 ``roof_gbs`` is the device-to-device copy bandwidth measured in the same run; ``mismatch`` the share of
 output elements not bit-identical to eager (for site B: of ``y``; ``mismatch_u`` of the residual).
 Every variant is timed twice: ``ms``, ``do_bench`` as a user calls it (host overhead included), and
 ``ms_graph``, the call replayed in a CUDA graph after an L2 flush, minus the flush (device time, no
 host overhead); ``roof_share`` uses ``ms_graph``. ``--sweep`` times the ``bf16`` kernel the same way
-over launch configurations (BLOCK_T, num_warps) and prints registers and spills of each.
+at every T over launch configurations (row layout: the power-of-two pieces or one padded block;
+BLOCK_T; num_warps) and prints registers and spills of each.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import triton
 from triton.testing import do_bench, do_bench_cudagraph
 
 sys.path.insert(0, os.path.dirname(__file__))
+from hand_fused import hand_fused_site  # noqa: E402
 from sites import SITES, eager_site, fused_site, make_inputs, minimal_bytes  # noqa: E402
 
 TOKENS = (3072, 15808, 63232)
@@ -60,6 +62,7 @@ def variants(site: str):
     yield "eager", eager
     yield "inductor", torch.compile(eager, dynamic=False)
     yield "inductor_epc", torch.compile(eager, dynamic=False, options={"emulate_precision_casts": True})
+    yield "hand_fused", hand_fused_site(site)
     yield "h3_fused_fp32", fused_site(site, "fp32")
     yield "h3_fused_bf16", fused_site(site, "bf16")
     yield "h3_fused_bf16_in_graph", torch.compile(fused_site(site, "bf16"), dynamic=False)
@@ -91,7 +94,7 @@ def run(args) -> list[dict]:
                 print(f"{site} T={tokens:6d} {name:24s} {row['us']:9.1f} us (graph {row['us_graph']:8.1f} us) "
                       f"{gbs:7.0f} GB/s "
                       f"{100 * row['roof_share']:5.1f}%  mismatch {row['mismatch']:.2e}", flush=True)
-            if args.sweep and tokens == 15808:
+            if args.sweep:
                 rows += sweep(site, tokens, inputs, nbytes, roof)
     return rows
 
@@ -103,20 +106,23 @@ def sweep(site, tokens, inputs, nbytes, roof) -> list[dict]:
     a = check_args(**inputs, policy="bf16", has_norm=site != "C")
     u = torch.empty(a.out_shape, dtype=a.dtype, device="cuda") if site != "A" else None
     y = torch.empty(a.out_shape, dtype=a.dtype, device="cuda") if site != "C" else None
+    layouts = {"pieces": tm.row_pieces(a.hidden), "padded": (triton.next_power_of_2(a.hidden), 0, 0)}
     original = tm.launch_config
     rows = []
     try:
-        for block_t in (1, 2):
-            for warps in (4, 8, 16):
-                tm.launch_config = lambda h, bt=block_t, w=warps: (bt, triton.next_power_of_2(h), w)
-                compiled = tm.launch_modulation(a, u, y, lambda k: k)
-                ms = graph_ms(lambda: tm.launch_modulation(a, u, y, lambda k: k))
-                gbs = nbytes / ms / 1e6
-                rows.append(dict(site=site, T=tokens, variant=f"sweep_bt{block_t}_w{warps}", ms=ms, gbs=gbs,
-                                 roof_gbs=roof, roof_share=gbs / roof, mismatch=None,
-                                 regs=compiled.n_regs, spills=compiled.n_spills))
-                print(f"   sweep BLOCK_T={block_t} warps={warps:2d}: {ms * 1e3:8.1f} us {100 * gbs / roof:5.1f}% "
-                      f"regs {compiled.n_regs} spills {compiled.n_spills}", flush=True)
+        for layout, pieces in layouts.items():
+            for block_t in (1, 2) if a.hidden < 4096 else (1,):  # two 4K+ rows per program spill or slow down
+                for warps in (4, 8, 16):
+                    tm.launch_config = lambda h, bt=block_t, p=pieces, w=warps: (bt, p, w)
+                    compiled = tm.launch_modulation(a, u, y, lambda k: k)
+                    ms = graph_ms(lambda: tm.launch_modulation(a, u, y, lambda k: k))
+                    gbs = nbytes / ms / 1e6
+                    name = f"sweep_{layout}_bt{block_t}_w{warps}"
+                    rows.append(dict(site=site, T=tokens, variant=name, ms=ms, gbs=gbs, roof_gbs=roof,
+                                     roof_share=gbs / roof, mismatch=None, regs=compiled.n_regs,
+                                     spills=compiled.n_spills))
+                    print(f"   {name:24s} {ms * 1e3:8.1f} us {100 * gbs / roof:5.1f}% "
+                          f"regs {compiled.n_regs} spills {compiled.n_spills}", flush=True)
     finally:
         tm.launch_config = original
     return rows

@@ -12,6 +12,10 @@ Per row ``t`` (``i = index[t]``, all arithmetic in fp32, ``R`` = round to the ac
                q = n * p                       (R if ROUND_AFFINE; non-contractible)
                y = R(q + shift[i])             -> stored (A, B)
 
+A row is held in registers as up to three power-of-two pieces (``row_pieces``: 5,376 = 4,096 + 1,024 +
+256), so no lane is masked where H is a sum of few powers of two; the norm sums the pieces' squares in
+fp32 (a summation order of its own, as eager's differs between devices).
+
 Multiplies feeding an add are never contracted into an FMA (which would remove the fp32 rounding
 eager performs). Under the interpreter (``PORTABLE``) rounding to bf16 is done on the bits, since the
 interpreter truncates conversions. An out-of-range index never reads out of bounds (it is clamped for
@@ -30,7 +34,7 @@ from triton.language.extra import libdevice
 
 from .contract import ModulationArgs
 
-MAX_BLOCK_H = 32768
+MAX_HIDDEN = 32768
 
 
 @triton.jit
@@ -62,73 +66,142 @@ def _rsqrt(v, PORTABLE: tl.constexpr):
     return libdevice.rsqrt(v)
 
 
+@triton.jit
+def _piece_mask(rows, row_ok, START: tl.constexpr, SIZE: tl.constexpr, HIDDEN: tl.constexpr):
+    """Columns ``START .. START + SIZE`` of rows ``rows`` and their mask (a column test only past ``H``)."""
+    cols = START + tl.arange(0, SIZE)
+    mask = row_ok[:, None] & (cols < HIDDEN)[None, :] if START + SIZE > HIDDEN else row_ok[:, None]
+    return cols, mask
+
+
+@triton.jit
+def _new_residual(
+    x_ptr, res_ptr, branch_ptr, gate_ptr, u_ptr, rows, row_ok, idx, zero,
+    stride_x, stride_res, stride_branch, stride_gate,
+    START: tl.constexpr, SIZE: tl.constexpr, HIDDEN: tl.constexpr,
+    HAS_GATE: tl.constexpr, ROUND_GATE: tl.constexpr, PORTABLE: tl.constexpr,
+):
+    """One piece of ``u`` (fp32): the gated residual, stored (sites B, C), or the loaded ``x`` (site A)."""
+    cols, mask = _piece_mask(rows, row_ok, START, SIZE, HIDDEN)
+    if HAS_GATE:
+        act: tl.constexpr = u_ptr.dtype.element_ty
+        res = tl.load(res_ptr + rows[:, None] * stride_res + cols[None, :], mask=mask, other=0.0)
+        branch = tl.load(branch_ptr + rows[:, None] * stride_branch + cols[None, :], mask=mask, other=0.0)
+        gate = tl.load(gate_ptr + idx[:, None] * stride_gate + cols[None, :], mask=mask, other=0.0)
+        g = _mul_rn(gate.to(tl.float32), branch.to(tl.float32), zero)
+        if ROUND_GATE:
+            g = _rounded(g, act, PORTABLE)
+        u = _rounded(res.to(tl.float32) + g, act, PORTABLE)
+        tl.store(u_ptr + rows[:, None] * HIDDEN + cols[None, :], u.to(act), mask=mask)
+    else:
+        u = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    return u
+
+
+@triton.jit
+def _modulated(
+    u, r, w_ptr, shift_ptr, scale_ptr, y_ptr, rows, row_ok, idx, zero, stride_shift, stride_scale,
+    START: tl.constexpr, SIZE: tl.constexpr, HIDDEN: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+    ROUND_NORM: tl.constexpr, ROUND_NORM_BEFORE_WEIGHT: tl.constexpr, ROUND_AFFINE: tl.constexpr,
+    PORTABLE: tl.constexpr,
+):
+    """One piece of ``y = R(R(norm(u)) * R(1 + scale[i]) + shift[i])``, stored (sites A, B)."""
+    act: tl.constexpr = y_ptr.dtype.element_ty
+    cols, mask = _piece_mask(rows, row_ok, START, SIZE, HIDDEN)
+    n = u * r[:, None]
+    if HAS_WEIGHT:
+        w = tl.load(w_ptr + cols, mask=cols < HIDDEN, other=0.0).to(tl.float32)
+        if ROUND_NORM_BEFORE_WEIGHT:
+            n = _rounded(n, act, PORTABLE)
+        n = n * w[None, :]
+    if ROUND_NORM:
+        n = _rounded(n, act, PORTABLE)
+    scale = tl.load(scale_ptr + idx[:, None] * stride_scale + cols[None, :], mask=mask, other=0.0)
+    shift = tl.load(shift_ptr + idx[:, None] * stride_shift + cols[None, :], mask=mask, other=0.0)
+    p = 1.0 + scale.to(tl.float32)
+    if ROUND_AFFINE:
+        p = _rounded(p, act, PORTABLE)
+    q = _mul_rn(n, p, zero)
+    if ROUND_AFFINE:
+        q = _rounded(q, act, PORTABLE)
+    y = q + shift.to(tl.float32)
+    tl.store(y_ptr + rows[:, None] * HIDDEN + cols[None, :], _rounded(y, act, PORTABLE).to(act), mask=mask)
+
+
 @triton.jit(debug=True)
 def modulation_kernel(
     x_ptr, res_ptr, branch_ptr, gate_ptr, w_ptr, shift_ptr, scale_ptr, idx_ptr, u_ptr, y_ptr,
-    n_rows, hidden, num_table_rows, eps, inv_hidden,
+    n_rows, num_table_rows, eps, inv_hidden,
     stride_x, stride_res, stride_branch, stride_gate, stride_shift, stride_scale,
+    HIDDEN: tl.constexpr, PIECE0: tl.constexpr, PIECE1: tl.constexpr, PIECE2: tl.constexpr,
     HAS_GATE: tl.constexpr, HAS_NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr,
     ROUND_GATE: tl.constexpr, ROUND_NORM: tl.constexpr, ROUND_NORM_BEFORE_WEIGHT: tl.constexpr,
-    ROUND_AFFINE: tl.constexpr, PORTABLE: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+    ROUND_AFFINE: tl.constexpr, PORTABLE: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
-    out_ptr = u_ptr if HAS_GATE else y_ptr
-    act: tl.constexpr = out_ptr.dtype.element_ty
     rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
-    cols = tl.arange(0, BLOCK_H)
     row_ok = rows < n_rows
-    mask = row_ok[:, None] & (cols < hidden)[None, :]
     idx = tl.load(idx_ptr + rows, mask=row_ok, other=0).to(tl.int64)
     bad = row_ok & ((idx < 0) | (idx >= num_table_rows))
     zero = (idx < 0).to(tl.int32)[:, None]  # 0 wherever the result is defined (see _mul_rn)
     tl.device_assert(~bad, "h3_fused: index out of range [0, K)")
     idx = tl.where(bad, 0, idx)
-    out_offsets = rows[:, None] * hidden + cols[None, :]
 
-    if HAS_GATE:
-        res = tl.load(res_ptr + rows[:, None] * stride_res + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        branch = tl.load(branch_ptr + rows[:, None] * stride_branch + cols[None, :], mask=mask,
-                         other=0.0).to(tl.float32)
-        gate = tl.load(gate_ptr + idx[:, None] * stride_gate + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        g = _mul_rn(gate, branch, zero)
-        if ROUND_GATE:
-            g = _rounded(g, act, PORTABLE)
-        u = _rounded(res + g, act, PORTABLE)
-        tl.store(u_ptr + out_offsets, u.to(act), mask=mask)
-    else:
-        u = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    u0 = _new_residual(x_ptr, res_ptr, branch_ptr, gate_ptr, u_ptr, rows, row_ok, idx, zero,
+                       stride_x, stride_res, stride_branch, stride_gate,
+                       0, PIECE0, HIDDEN, HAS_GATE, ROUND_GATE, PORTABLE)
+    if PIECE1 > 0:
+        u1 = _new_residual(x_ptr, res_ptr, branch_ptr, gate_ptr, u_ptr, rows, row_ok, idx, zero,
+                           stride_x, stride_res, stride_branch, stride_gate,
+                           PIECE0, PIECE1, HIDDEN, HAS_GATE, ROUND_GATE, PORTABLE)
+    if PIECE2 > 0:
+        u2 = _new_residual(x_ptr, res_ptr, branch_ptr, gate_ptr, u_ptr, rows, row_ok, idx, zero,
+                           stride_x, stride_res, stride_branch, stride_gate,
+                           PIECE0 + PIECE1, PIECE2, HIDDEN, HAS_GATE, ROUND_GATE, PORTABLE)
 
     if HAS_NORM:
+        sum_sq = tl.sum(u0 * u0, axis=1)
+        if PIECE1 > 0:
+            sum_sq += tl.sum(u1 * u1, axis=1)
+        if PIECE2 > 0:
+            sum_sq += tl.sum(u2 * u2, axis=1)
         # fp32 scalars even where Inductor passes them as constexpr floats (which would compute in fp64)
-        r = _rsqrt(tl.sum(u * u, axis=1) * tl.cast(inv_hidden, tl.float32) + tl.cast(eps, tl.float32), PORTABLE)
-        n = u * r[:, None]
-        if HAS_WEIGHT:
-            w = tl.load(w_ptr + cols, mask=cols < hidden, other=0.0).to(tl.float32)
-            if ROUND_NORM_BEFORE_WEIGHT:
-                n = _rounded(n, act, PORTABLE)
-            n = n * w[None, :]
-        if ROUND_NORM:
-            n = _rounded(n, act, PORTABLE)
-        scale = tl.load(scale_ptr + idx[:, None] * stride_scale + cols[None, :], mask=mask, other=0.0)
-        shift = tl.load(shift_ptr + idx[:, None] * stride_shift + cols[None, :], mask=mask, other=0.0)
-        p = 1.0 + scale.to(tl.float32)
-        if ROUND_AFFINE:
-            p = _rounded(p, act, PORTABLE)
-        q = _mul_rn(n, p, zero)
-        if ROUND_AFFINE:
-            q = _rounded(q, act, PORTABLE)
-        y = q + shift.to(tl.float32)
-        tl.store(y_ptr + out_offsets, _rounded(y, act, PORTABLE).to(act), mask=mask)
+        r = _rsqrt(sum_sq * tl.cast(inv_hidden, tl.float32) + tl.cast(eps, tl.float32), PORTABLE)
+        _modulated(u0, r, w_ptr, shift_ptr, scale_ptr, y_ptr, rows, row_ok, idx, zero, stride_shift, stride_scale,
+                   0, PIECE0, HIDDEN, HAS_WEIGHT, ROUND_NORM, ROUND_NORM_BEFORE_WEIGHT, ROUND_AFFINE, PORTABLE)
+        if PIECE1 > 0:
+            _modulated(u1, r, w_ptr, shift_ptr, scale_ptr, y_ptr, rows, row_ok, idx, zero, stride_shift,
+                       stride_scale, PIECE0, PIECE1, HIDDEN, HAS_WEIGHT, ROUND_NORM, ROUND_NORM_BEFORE_WEIGHT,
+                       ROUND_AFFINE, PORTABLE)
+        if PIECE2 > 0:
+            _modulated(u2, r, w_ptr, shift_ptr, scale_ptr, y_ptr, rows, row_ok, idx, zero, stride_shift,
+                       stride_scale, PIECE0 + PIECE1, PIECE2, HIDDEN, HAS_WEIGHT, ROUND_NORM,
+                       ROUND_NORM_BEFORE_WEIGHT, ROUND_AFFINE, PORTABLE)
 
 
-def launch_config(hidden: int) -> tuple[int, int, int]:
-    """``(BLOCK_T, BLOCK_H, num_warps)``: whole rows in registers, at least 2K elements per program."""
-    block_h = triton.next_power_of_2(int(hidden))  # a constexpr: H is specialised, never symbolic
-    if block_h > MAX_BLOCK_H:
-        raise ValueError(f"H={hidden} exceeds the kernel's limit of {MAX_BLOCK_H}")
+def row_pieces(hidden: int) -> tuple[int, int, int]:
+    """``H`` as three power-of-two pieces ``(P0, P1, P2)`` held in registers side by side (0 = absent).
+
+    ``P0`` and ``P1`` are the two largest powers of two that fit, ``P2`` covers the rest, rounded up and
+    masked: 5,376 = 4,096 + 1,024 + 256 leaves no lane idle, where one 8,192-wide block masks 34% of
+    them (and still spends their instructions).
+    """
+    hidden = int(hidden)  # a constexpr: H is specialised, never symbolic
+    if not 0 < hidden <= MAX_HIDDEN:
+        raise ValueError(f"H={hidden} is outside the kernel's range [1, {MAX_HIDDEN}]")
+    first = 1 << (hidden.bit_length() - 1)
+    rest = hidden - first
+    second = 1 << (rest.bit_length() - 1) if rest else 0
+    rest -= second
+    return first, second, triton.next_power_of_2(rest) if rest else 0
+
+
+def launch_config(hidden: int) -> tuple[int, tuple[int, int, int], int]:
+    """``(BLOCK_T, pieces, num_warps)``: whole rows in registers, at least 2K elements per program."""
+    pieces = row_pieces(hidden)
+    block_h = triton.next_power_of_2(int(hidden))
     block_t = max(1, 2048 // block_h)
     num_warps = max(1, min(16, block_t * block_h // 1024))
-    return block_t, block_h, num_warps
+    return block_t, pieces, num_warps
 
 
 def interpreting() -> bool:
@@ -140,7 +213,7 @@ def launch_modulation(a: ModulationArgs, u: torch.Tensor | None, y: torch.Tensor
 
     Arguments a site does not use are passed as an alias of one it does; the kernel never reads them.
     """
-    block_t, block_h, num_warps = launch_config(a.hidden)
+    block_t, pieces, num_warps = launch_config(a.hidden)
     rows_alias = a.x if a.x is not None else a.residual
     table_alias = a.gate if a.gate is not None else a.scale
 
@@ -156,10 +229,11 @@ def launch_modulation(a: ModulationArgs, u: torch.Tensor | None, y: torch.Tensor
     return wrap(modulation_kernel)[(triton.cdiv(a.rows, block_t),)](
         x, res, branch, gate, table_or_alias(a.weight), shift, scale, a.index,
         y if u is None else u, u if y is None else y,
-        a.rows, a.hidden, a.num_table_rows, a.eps, 1.0 / a.hidden,
+        a.rows, a.num_table_rows, a.eps, 1.0 / a.hidden,
         x.stride(0), res.stride(0), branch.stride(0), gate.stride(0), shift.stride(0), scale.stride(0),
+        HIDDEN=a.hidden, PIECE0=pieces[0], PIECE1=pieces[1], PIECE2=pieces[2],
         HAS_GATE=a.gate is not None, HAS_NORM=a.scale is not None, HAS_WEIGHT=a.weight is not None,
         ROUND_GATE=r.gate_product, ROUND_NORM=r.norm_output, ROUND_NORM_BEFORE_WEIGHT=r.norm_before_weight,
         ROUND_AFFINE=r.affine, PORTABLE=interpreting(),
-        BLOCK_T=block_t, BLOCK_H=block_h, num_warps=num_warps,
+        BLOCK_T=block_t, num_warps=num_warps,
     )
