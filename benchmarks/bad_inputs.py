@@ -62,6 +62,8 @@ def case_list(device):
     yield "storage-offset view (x[1:])", matches("A", tokens=8, x=torch.randn(9, 64, device=device).to(torch.bfloat16)[1:])
     yield "T = 70,000 rows (> 65,535)", matches("B", tokens=70000)
     yield "non-power-of-two H = 200", matches("B", hidden=200)
+    if device == "cuda":  # 2.15e9 elements per activation: 64-bit offsets (too large for the CPU runs)
+        yield "T x H >= 2^31 elements (400,000 x 5,376)", matches("C", tokens=400_000, hidden=5376)
     yield "backend: unknown dtype_policy", lambda: torch.compile(lambda a: a + 1, backend="h3_fused", options={"dtype_policy": "fp8"})(x)
     yield "backend: unknown Inductor option", lambda: torch.compile(lambda a: a + 1, backend="h3_fused", options={"no_such_option": 1})(x)
 
