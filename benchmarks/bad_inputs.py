@@ -12,6 +12,7 @@ import argparse
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -100,17 +101,24 @@ def main():
         print(run_case(*cases[args.case], args.device), flush=True)
         return
     print(f"| input ({args.device}) | outcome | message |\n|---|---|---|")
-    for i, (name, fn) in enumerate(cases):
-        if args.device != "cuda":
+    if args.device != "cuda":
+        for name, fn in cases:
             print(run_case(name, fn, args.device), flush=True)
-            continue
-        proc = subprocess.run([sys.executable, __file__, "--device", "cuda", "--case", str(i)],
-                              capture_output=True, text=True, timeout=300)
-        row = next((line for line in proc.stdout.splitlines() if line.startswith("|")), None)
-        if row is None:  # the process died: report how, with the device-side message if any
-            said = [line for line in (proc.stdout + proc.stderr).splitlines() if "h3_fused" in line or "Error" in line]
-            row = f"| {name} | process exited {proc.returncode} | {(said[-1] if said else '')[:160].replace('|', '/')} |"
-        print(row, flush=True)
+        return
+    with ThreadPoolExecutor(max_workers=8) as pool:  # one process per row, several at a time
+        for row in pool.map(lambda item: cuda_row(*item), enumerate(cases)):
+            print(row, flush=True)
+
+
+def cuda_row(i, case) -> str:
+    name = case[0]
+    proc = subprocess.run([sys.executable, __file__, "--device", "cuda", "--case", str(i)],
+                          capture_output=True, text=True, timeout=300)
+    row = next((line for line in proc.stdout.splitlines() if line.startswith("|")), None)
+    if row is None:  # the process died: report how, with the device-side message if any
+        said = [line for line in (proc.stdout + proc.stderr).splitlines() if "h3_fused" in line or "Error" in line]
+        row = f"| {name} | process exited {proc.returncode} | {(said[-1] if said else '')[:160].replace('|', '/')} |"
+    return row
 
 
 if __name__ == "__main__":

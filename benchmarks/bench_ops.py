@@ -10,8 +10,7 @@ output elements not bit-identical to eager (for site B: of ``y``; ``mismatch_u``
 Every variant is timed twice: ``ms``, ``do_bench`` as a user calls it (host overhead included), and
 ``ms_graph``, the call replayed in a CUDA graph after an L2 flush, minus the flush (device time, no
 host overhead); ``roof_share`` uses ``ms_graph``. ``--sweep`` times the ``bf16`` kernel the same way
-at every T over launch configurations (row layout: the power-of-two pieces or one padded block;
-BLOCK_T; num_warps) and prints registers and spills of each.
+at every T over launch configurations (BLOCK_T, num_warps) and prints registers and spills of each.
 """
 
 from __future__ import annotations
@@ -106,23 +105,21 @@ def sweep(site, tokens, inputs, nbytes, roof) -> list[dict]:
     a = check_args(**inputs, policy="bf16", has_norm=site != "C")
     u = torch.empty(a.out_shape, dtype=a.dtype, device="cuda") if site != "A" else None
     y = torch.empty(a.out_shape, dtype=a.dtype, device="cuda") if site != "C" else None
-    layouts = {"pieces": tm.row_pieces(a.hidden), "padded": (triton.next_power_of_2(a.hidden), 0, 0)}
     original = tm.launch_config
     rows = []
     try:
-        for layout, pieces in layouts.items():
-            for block_t in (1, 2) if a.hidden < 4096 else (1,):  # two 4K+ rows per program spill or slow down
-                for warps in (4, 8, 16):
-                    tm.launch_config = lambda h, bt=block_t, p=pieces, w=warps: (bt, p, w)
-                    compiled = tm.launch_modulation(a, u, y, lambda k: k)
-                    ms = graph_ms(lambda: tm.launch_modulation(a, u, y, lambda k: k))
-                    gbs = nbytes / ms / 1e6
-                    name = f"sweep_{layout}_bt{block_t}_w{warps}"
-                    rows.append(dict(site=site, T=tokens, variant=name, ms=ms, gbs=gbs, roof_gbs=roof,
-                                     roof_share=gbs / roof, mismatch=None, regs=compiled.n_regs,
-                                     spills=compiled.n_spills))
-                    print(f"   {name:24s} {ms * 1e3:8.1f} us {100 * gbs / roof:5.1f}% "
-                          f"regs {compiled.n_regs} spills {compiled.n_spills}", flush=True)
+        for block_t in (1, 2):
+            for warps in (4, 8, 16):
+                tm.launch_config = lambda h, has_norm, bt=block_t, w=warps: (bt, triton.next_power_of_2(h), w)
+                compiled = tm.launch_modulation(a, u, y, lambda k: k)
+                ms = graph_ms(lambda: tm.launch_modulation(a, u, y, lambda k: k))
+                gbs = nbytes / ms / 1e6
+                name = f"sweep_bt{block_t}_w{warps}"
+                rows.append(dict(site=site, T=tokens, variant=name, ms=ms, gbs=gbs, roof_gbs=roof,
+                                 roof_share=gbs / roof, mismatch=None, regs=compiled.n_regs,
+                                 spills=compiled.n_spills))
+                print(f"   {name:24s} {ms * 1e3:8.1f} us {100 * gbs / roof:5.1f}% "
+                      f"regs {compiled.n_regs} spills {compiled.n_spills}", flush=True)
     finally:
         tm.launch_config = original
     return rows

@@ -12,9 +12,8 @@ Per row ``t`` (``i = index[t]``, all arithmetic in fp32, ``R`` = round to the ac
                q = n * p                       (R if ROUND_AFFINE; non-contractible)
                y = R(q + shift[i])             -> stored (A, B)
 
-A row is held in registers as up to three power-of-two pieces (``row_pieces``: 5,376 = 4,096 + 1,024 +
-256), so no lane is masked where H is a sum of few powers of two; the norm sums the pieces' squares in
-fp32 (a summation order of its own, as eager's differs between devices).
+Each program holds ``BLOCK_T`` whole rows in registers, ``next_power_of_2(H)`` wide (``launch_config``
+says why these sizes).
 
 Multiplies feeding an add are never contracted into an FMA (which would remove the fp32 rounding
 eager performs). Under the interpreter (``PORTABLE``) rounding to bf16 is done on the bits, since the
@@ -34,7 +33,7 @@ from triton.language.extra import libdevice
 
 from .contract import ModulationArgs
 
-MAX_HIDDEN = 32768
+MAX_BLOCK_H = 32768
 
 
 @triton.jit
@@ -67,10 +66,10 @@ def _rsqrt(v, PORTABLE: tl.constexpr):
 
 
 @triton.jit
-def _piece_mask(rows, row_ok, START: tl.constexpr, SIZE: tl.constexpr, HIDDEN: tl.constexpr):
-    """Columns ``START .. START + SIZE`` of rows ``rows`` and their mask (a column test only past ``H``)."""
-    cols = START + tl.arange(0, SIZE)
-    mask = row_ok[:, None] & (cols < HIDDEN)[None, :] if START + SIZE > HIDDEN else row_ok[:, None]
+def _columns(rows, row_ok, BLOCK_H: tl.constexpr, HIDDEN: tl.constexpr):
+    """Column indices of a row block and the load/store mask (a column test only where it pads ``H``)."""
+    cols = tl.arange(0, BLOCK_H)
+    mask = row_ok[:, None] & (cols < HIDDEN)[None, :] if BLOCK_H > HIDDEN else row_ok[:, None]
     return cols, mask
 
 
@@ -78,11 +77,11 @@ def _piece_mask(rows, row_ok, START: tl.constexpr, SIZE: tl.constexpr, HIDDEN: t
 def _new_residual(
     x_ptr, res_ptr, branch_ptr, gate_ptr, u_ptr, rows, row_ok, idx, zero,
     stride_x, stride_res, stride_branch, stride_gate,
-    START: tl.constexpr, SIZE: tl.constexpr, HIDDEN: tl.constexpr,
-    HAS_GATE: tl.constexpr, ROUND_GATE: tl.constexpr, PORTABLE: tl.constexpr,
+    BLOCK_H: tl.constexpr, HIDDEN: tl.constexpr, HAS_GATE: tl.constexpr, ROUND_GATE: tl.constexpr,
+    PORTABLE: tl.constexpr,
 ):
-    """One piece of ``u`` (fp32): the gated residual, stored (sites B, C), or the loaded ``x`` (site A)."""
-    cols, mask = _piece_mask(rows, row_ok, START, SIZE, HIDDEN)
+    """``u`` (fp32): the gated residual, stored (sites B, C), or the loaded ``x`` (site A)."""
+    cols, mask = _columns(rows, row_ok, BLOCK_H, HIDDEN)
     if HAS_GATE:
         act: tl.constexpr = u_ptr.dtype.element_ty
         res = tl.load(res_ptr + rows[:, None] * stride_res + cols[None, :], mask=mask, other=0.0)
@@ -101,13 +100,12 @@ def _new_residual(
 @triton.jit
 def _modulated(
     u, r, w_ptr, shift_ptr, scale_ptr, y_ptr, rows, row_ok, idx, zero, stride_shift, stride_scale,
-    START: tl.constexpr, SIZE: tl.constexpr, HIDDEN: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-    ROUND_NORM: tl.constexpr, ROUND_NORM_BEFORE_WEIGHT: tl.constexpr, ROUND_AFFINE: tl.constexpr,
-    PORTABLE: tl.constexpr,
+    BLOCK_H: tl.constexpr, HIDDEN: tl.constexpr, HAS_WEIGHT: tl.constexpr, ROUND_NORM: tl.constexpr,
+    ROUND_NORM_BEFORE_WEIGHT: tl.constexpr, ROUND_AFFINE: tl.constexpr, PORTABLE: tl.constexpr,
 ):
-    """One piece of ``y = R(R(norm(u)) * R(1 + scale[i]) + shift[i])``, stored (sites A, B)."""
+    """``y = R(R(norm(u)) * R(1 + scale[i]) + shift[i])`` (roundings as the flags say), stored (sites A, B)."""
     act: tl.constexpr = y_ptr.dtype.element_ty
-    cols, mask = _piece_mask(rows, row_ok, START, SIZE, HIDDEN)
+    cols, mask = _columns(rows, row_ok, BLOCK_H, HIDDEN)
     n = u * r[:, None]
     if HAS_WEIGHT:
         w = tl.load(w_ptr + cols, mask=cols < HIDDEN, other=0.0).to(tl.float32)
@@ -133,10 +131,9 @@ def modulation_kernel(
     x_ptr, res_ptr, branch_ptr, gate_ptr, w_ptr, shift_ptr, scale_ptr, idx_ptr, u_ptr, y_ptr,
     n_rows, num_table_rows, eps, inv_hidden,
     stride_x, stride_res, stride_branch, stride_gate, stride_shift, stride_scale,
-    HIDDEN: tl.constexpr, PIECE0: tl.constexpr, PIECE1: tl.constexpr, PIECE2: tl.constexpr,
-    HAS_GATE: tl.constexpr, HAS_NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+    HIDDEN: tl.constexpr, HAS_GATE: tl.constexpr, HAS_NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr,
     ROUND_GATE: tl.constexpr, ROUND_NORM: tl.constexpr, ROUND_NORM_BEFORE_WEIGHT: tl.constexpr,
-    ROUND_AFFINE: tl.constexpr, PORTABLE: tl.constexpr, BLOCK_T: tl.constexpr,
+    ROUND_AFFINE: tl.constexpr, PORTABLE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     row_ok = rows < n_rows
@@ -146,62 +143,30 @@ def modulation_kernel(
     tl.device_assert(~bad, "h3_fused: index out of range [0, K)")
     idx = tl.where(bad, 0, idx)
 
-    u0 = _new_residual(x_ptr, res_ptr, branch_ptr, gate_ptr, u_ptr, rows, row_ok, idx, zero,
-                       stride_x, stride_res, stride_branch, stride_gate,
-                       0, PIECE0, HIDDEN, HAS_GATE, ROUND_GATE, PORTABLE)
-    if PIECE1 > 0:
-        u1 = _new_residual(x_ptr, res_ptr, branch_ptr, gate_ptr, u_ptr, rows, row_ok, idx, zero,
-                           stride_x, stride_res, stride_branch, stride_gate,
-                           PIECE0, PIECE1, HIDDEN, HAS_GATE, ROUND_GATE, PORTABLE)
-    if PIECE2 > 0:
-        u2 = _new_residual(x_ptr, res_ptr, branch_ptr, gate_ptr, u_ptr, rows, row_ok, idx, zero,
-                           stride_x, stride_res, stride_branch, stride_gate,
-                           PIECE0 + PIECE1, PIECE2, HIDDEN, HAS_GATE, ROUND_GATE, PORTABLE)
-
+    u = _new_residual(x_ptr, res_ptr, branch_ptr, gate_ptr, u_ptr, rows, row_ok, idx, zero,
+                      stride_x, stride_res, stride_branch, stride_gate, BLOCK_H, HIDDEN, HAS_GATE, ROUND_GATE,
+                      PORTABLE)
     if HAS_NORM:
-        sum_sq = tl.sum(u0 * u0, axis=1)
-        if PIECE1 > 0:
-            sum_sq += tl.sum(u1 * u1, axis=1)
-        if PIECE2 > 0:
-            sum_sq += tl.sum(u2 * u2, axis=1)
         # fp32 scalars even where Inductor passes them as constexpr floats (which would compute in fp64)
-        r = _rsqrt(sum_sq * tl.cast(inv_hidden, tl.float32) + tl.cast(eps, tl.float32), PORTABLE)
-        _modulated(u0, r, w_ptr, shift_ptr, scale_ptr, y_ptr, rows, row_ok, idx, zero, stride_shift, stride_scale,
-                   0, PIECE0, HIDDEN, HAS_WEIGHT, ROUND_NORM, ROUND_NORM_BEFORE_WEIGHT, ROUND_AFFINE, PORTABLE)
-        if PIECE1 > 0:
-            _modulated(u1, r, w_ptr, shift_ptr, scale_ptr, y_ptr, rows, row_ok, idx, zero, stride_shift,
-                       stride_scale, PIECE0, PIECE1, HIDDEN, HAS_WEIGHT, ROUND_NORM, ROUND_NORM_BEFORE_WEIGHT,
-                       ROUND_AFFINE, PORTABLE)
-        if PIECE2 > 0:
-            _modulated(u2, r, w_ptr, shift_ptr, scale_ptr, y_ptr, rows, row_ok, idx, zero, stride_shift,
-                       stride_scale, PIECE0 + PIECE1, PIECE2, HIDDEN, HAS_WEIGHT, ROUND_NORM,
-                       ROUND_NORM_BEFORE_WEIGHT, ROUND_AFFINE, PORTABLE)
+        r = _rsqrt(tl.sum(u * u, axis=1) * tl.cast(inv_hidden, tl.float32) + tl.cast(eps, tl.float32), PORTABLE)
+        _modulated(u, r, w_ptr, shift_ptr, scale_ptr, y_ptr, rows, row_ok, idx, zero, stride_shift, stride_scale,
+                   BLOCK_H, HIDDEN, HAS_WEIGHT, ROUND_NORM, ROUND_NORM_BEFORE_WEIGHT, ROUND_AFFINE, PORTABLE)
 
 
-def row_pieces(hidden: int) -> tuple[int, int, int]:
-    """``H`` as three power-of-two pieces ``(P0, P1, P2)`` held in registers side by side (0 = absent).
+def launch_config(hidden: int, has_norm: bool) -> tuple[int, int, int]:
+    """``(BLOCK_T, BLOCK_H, num_warps)``: whole rows in registers, at least 2K elements per program.
 
-    ``P0`` and ``P1`` are the two largest powers of two that fit, ``P2`` covers the rest, rounded up and
-    masked: 5,376 = 4,096 + 1,024 + 256 leaves no lane idle, where one 8,192-wide block masks 34% of
-    them (and still spends their instructions).
+    Measured on the H200 at H = 5,376 (``benchmarks/bench_ops.py --sweep``, docs/BENCHMARKS.md): one row
+    per program; 64 elements per thread (4 warps) for the norm sites, 32 (8 warps) for site C. Splitting
+    the row into unmasked power-of-two pieces, two rows per program, and 16 warps were all slower.
     """
-    hidden = int(hidden)  # a constexpr: H is specialised, never symbolic
-    if not 0 < hidden <= MAX_HIDDEN:
-        raise ValueError(f"H={hidden} is outside the kernel's range [1, {MAX_HIDDEN}]")
-    first = 1 << (hidden.bit_length() - 1)
-    rest = hidden - first
-    second = 1 << (rest.bit_length() - 1) if rest else 0
-    rest -= second
-    return first, second, triton.next_power_of_2(rest) if rest else 0
-
-
-def launch_config(hidden: int) -> tuple[int, tuple[int, int, int], int]:
-    """``(BLOCK_T, pieces, num_warps)``: whole rows in registers, at least 2K elements per program."""
-    pieces = row_pieces(hidden)
-    block_h = triton.next_power_of_2(int(hidden))
+    block_h = triton.next_power_of_2(int(hidden))  # a constexpr: H is specialised, never symbolic
+    if block_h > MAX_BLOCK_H:
+        raise ValueError(f"H={hidden} exceeds the kernel's limit of {MAX_BLOCK_H}")
     block_t = max(1, 2048 // block_h)
-    num_warps = max(1, min(16, block_t * block_h // 1024))
-    return block_t, pieces, num_warps
+    per_thread = 64 if has_norm else 32
+    num_warps = max(1, min(16, block_t * block_h // (32 * per_thread)))
+    return block_t, block_h, num_warps
 
 
 def interpreting() -> bool:
@@ -213,7 +178,7 @@ def launch_modulation(a: ModulationArgs, u: torch.Tensor | None, y: torch.Tensor
 
     Arguments a site does not use are passed as an alias of one it does; the kernel never reads them.
     """
-    block_t, pieces, num_warps = launch_config(a.hidden)
+    block_t, block_h, num_warps = launch_config(a.hidden, a.scale is not None)
     rows_alias = a.x if a.x is not None else a.residual
     table_alias = a.gate if a.gate is not None else a.scale
 
@@ -231,9 +196,9 @@ def launch_modulation(a: ModulationArgs, u: torch.Tensor | None, y: torch.Tensor
         y if u is None else u, u if y is None else y,
         a.rows, a.num_table_rows, a.eps, 1.0 / a.hidden,
         x.stride(0), res.stride(0), branch.stride(0), gate.stride(0), shift.stride(0), scale.stride(0),
-        HIDDEN=a.hidden, PIECE0=pieces[0], PIECE1=pieces[1], PIECE2=pieces[2],
+        HIDDEN=a.hidden,
         HAS_GATE=a.gate is not None, HAS_NORM=a.scale is not None, HAS_WEIGHT=a.weight is not None,
         ROUND_GATE=r.gate_product, ROUND_NORM=r.norm_output, ROUND_NORM_BEFORE_WEIGHT=r.norm_before_weight,
         ROUND_AFFINE=r.affine, PORTABLE=interpreting(),
-        BLOCK_T=block_t, num_warps=num_warps,
+        BLOCK_T=block_t, BLOCK_H=block_h, num_warps=num_warps,
     )
