@@ -10,7 +10,8 @@
    the depth): CUDA kernels and ms per forward.
 3. Trajectory: a flow-matching Euler run (``--steps``, fixed seed) of a ``--traj-blocks`` deep model:
    PSNR of every step's latent against eager, per variant.
-4. Compile time: first compile and warm-FX-cache compile of the regional block, per variant.
+4. Compile time: first compile (empty caches, a process per variant) and warm-cache compile of the
+   regional block, per variant.
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ import gc
 import json
 import math
 import os
+import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -167,20 +170,33 @@ def trajectory(rows, blocks, steps, tokens):
 
 
 def compile_times(rows):
-    for variant in tqdm(("inductor", "h3_fused_bf16"), desc="compile time"):
-        times = []
-        for _ in range(2):  # first: cold FX cache (fresh dir); second: warm cache after a dynamo reset
-            torch._dynamo.reset()
-            model = real_model(1, inline=True)
-            latents, layout = example_inputs(model.cfg, 3072, device="cuda")
-            with torch.no_grad():
-                compile_regional(model, variant)
-                start = time.perf_counter()
-                model(latents, layout)
-                torch.cuda.synchronize()
-                times.append(time.perf_counter() - start)
-        rows.append(dict(level="compile", variant=variant, first_s=times[0], warm_cache_s=times[1]))
-        print(f"compile {variant:14s} first {times[0]:6.1f} s  warm cache {times[1]:6.1f} s", flush=True)
+    """Each variant in a process of its own with empty Inductor and Triton caches (no variant warms the
+    caches for the next): the first compile, then a second one after a Dynamo reset (warm caches)."""
+    for variant in tqdm(("inductor", "h3_fused_fp32", "h3_fused_bf16"), desc="compile time"):
+        caches = tempfile.mkdtemp(prefix="h3_fused_compile_")
+        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=os.path.join(caches, "inductor"),
+                   TRITON_CACHE_DIR=os.path.join(caches, "triton"))
+        proc = subprocess.run([sys.executable, __file__, "--compile-variant", variant], env=env,
+                              capture_output=True, text=True, check=True)
+        first, warm = json.loads(proc.stdout.strip().splitlines()[-1])
+        rows.append(dict(level="compile", variant=variant, first_s=first, warm_cache_s=warm))
+        print(f"compile {variant:14s} first {first:6.1f} s  warm cache {warm:6.1f} s", flush=True)
+
+
+def time_compiles(variant) -> list[float]:
+    """Seconds to compile and run one regional block: cold caches, then warm after a Dynamo reset."""
+    times = []
+    for _ in range(2):
+        torch._dynamo.reset()
+        model = real_model(1, inline=True)
+        latents, layout = example_inputs(model.cfg, 3072, device="cuda")
+        with torch.no_grad():
+            compile_regional(model, variant)
+            start = time.perf_counter()
+            model(latents, layout)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+    return times
 
 
 def main():
@@ -192,7 +208,11 @@ def main():
     parser.add_argument("--traj-blocks", type=int, default=2)
     parser.add_argument("--traj-tokens", type=int, default=2048)
     parser.add_argument("--parts", default="compile,block,model,trajectory")
+    parser.add_argument("--compile-variant", help=argparse.SUPPRESS)  # one compile-time child process
     args = parser.parse_args()
+    if args.compile_variant:
+        print(json.dumps(time_compiles(args.compile_variant)))
+        return
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", f"/tmp/h3_fused_bench_cache_{os.getpid()}")
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)
     parts = {

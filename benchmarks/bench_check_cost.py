@@ -1,0 +1,80 @@
+"""What the policy and the index check cost: the kernel under ``bf16``, under ``fp32``, and under
+``bf16`` compiled without its device-side index assertion, timed in alternation.
+
+    python benchmarks/bench_check_cost.py --out benchmarks/results/check_cost.json
+
+Each site and T is timed in ``--rounds`` rounds, every round measuring the three kernels one after
+the other (device time under CUDA graphs after an L2 flush, as ``bench_ops.py``), so that drift of the
+GPU's clocks between variants cancels; the table gives the median of the rounds and the ratios to
+``bf16``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+
+import torch
+import triton
+
+sys.path.insert(0, os.path.dirname(__file__))
+from bench_ops import HIDDEN, TOKENS, graph_ms  # noqa: E402
+from sites import SITES, make_inputs  # noqa: E402
+
+
+class WithoutIndexCheck:
+    """A ``wrap`` for ``launch_modulation`` that compiles the kernel with ``debug=False`` (no assertion)."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.kernel[grid](*args, debug=False, **kwargs)
+
+
+def launchers(site, inputs):
+    from h3_fused.kernels.contract import check_args
+    from h3_fused.kernels.triton_modulation import launch_modulation
+
+    def launcher(policy, wrap):
+        a = check_args(**inputs, policy=policy, has_norm=site != "C")
+        u = torch.empty(a.out_shape, dtype=a.dtype, device="cuda") if site != "A" else None
+        y = torch.empty(a.out_shape, dtype=a.dtype, device="cuda") if site != "C" else None
+        return lambda: launch_modulation(a, u, y, wrap)
+
+    return {"bf16": launcher("bf16", lambda k: k), "fp32": launcher("fp32", lambda k: k),
+            "bf16_no_index_check": launcher("bf16", WithoutIndexCheck)}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="benchmarks/results/check_cost.json")
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    rows = []
+    print("| site | T | bf16 us | fp32 us (vs bf16) | bf16 without index check us (check costs) |\n|---|---|---|---|---|")
+    for site in SITES:
+        for tokens in TOKENS:
+            runs = launchers(site, make_inputs(site, tokens, HIDDEN))
+            asserts = {name: "__assertfail" in run().asm["ptx"] for name, run in runs.items()}
+            if asserts != {"bf16": True, "fp32": True, "bf16_no_index_check": False}:
+                raise RuntimeError(f"unexpected assertions in the compiled kernels: {asserts}")
+            times = {name: [] for name in runs}
+            for _ in range(args.rounds):
+                for name, run in runs.items():
+                    times[name].append(graph_ms(run) * 1e3)
+            us = {name: statistics.median(t) for name, t in times.items()}
+            rows.append(dict(site=site, T=tokens, us=us, rounds=times, gpu=torch.cuda.get_device_name(),
+                             torch=torch.__version__, triton=triton.__version__))
+            print(f"| {site} | {tokens:,} | {us['bf16']:.1f} | {us['fp32']:.1f} ({us['fp32'] / us['bf16'] - 1:+.1%}) | "
+                  f"{us['bf16_no_index_check']:.1f} ({us['bf16'] / us['bf16_no_index_check'] - 1:+.1%}) |", flush=True)
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
