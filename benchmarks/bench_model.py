@@ -169,10 +169,10 @@ def trajectory(rows, blocks, steps, tokens):
         print(f"trajectory {variant:14s} PSNR step 1 {curve[0]:6.2f} dB  final {curve[-1]:6.2f} dB", flush=True)
 
 
-def compile_times(rows):
+def compile_times(rows, variants):
     """Each variant in a process of its own with empty Inductor and Triton caches (no variant warms the
     caches for the next): the first compile, then a second one after a Dynamo reset (warm caches)."""
-    for variant in tqdm(("inductor", "h3_fused_fp32", "h3_fused_bf16"), desc="compile time"):
+    for variant in tqdm(variants, desc="compile time"):
         caches = tempfile.mkdtemp(prefix="h3_fused_compile_")
         env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=os.path.join(caches, "inductor"),
                    TRITON_CACHE_DIR=os.path.join(caches, "triton"))
@@ -208,6 +208,7 @@ def main():
     parser.add_argument("--traj-blocks", type=int, default=2)
     parser.add_argument("--traj-tokens", type=int, default=2048)
     parser.add_argument("--parts", default="compile,block,model,trajectory")
+    parser.add_argument("--compile-variants", default="inductor,inductor_epc,h3_fused_fp32,h3_fused_bf16")
     parser.add_argument("--compile-variant", help=argparse.SUPPRESS)  # one compile-time child process
     args = parser.parse_args()
     if args.compile_variant:
@@ -216,7 +217,7 @@ def main():
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", f"/tmp/h3_fused_bench_cache_{os.getpid()}")
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)
     parts = {
-        "compile": compile_times,
+        "compile": lambda rows: compile_times(rows, args.compile_variants.split(",")),
         "block": block_level,
         "model": lambda rows: model_level(rows, args.blocks, args.whole_blocks),
         "trajectory": lambda rows: trajectory(rows, args.traj_blocks, args.steps, args.traj_tokens),
