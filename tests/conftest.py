@@ -17,6 +17,14 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def probed_inductor_numerics():
+    """Probe once, before any test compiles, whether Inductor reproduces eager here (helpers.py)."""
+    from helpers import inductor_matches_eager_on_cpu
+
+    return inductor_matches_eager_on_cpu()
+
+
 @pytest.fixture
 def fresh_compile():
     """No compiled code, counters or FX-graph-cache hits carried over from another test."""
