@@ -1,4 +1,5 @@
 import os
+import warnings
 
 import pytest
 import torch
@@ -22,7 +23,12 @@ def probed_inductor_numerics():
     """Probe once, before any test compiles, whether Inductor reproduces eager here (helpers.py)."""
     from helpers import inductor_matches_eager_on_cpu
 
-    return inductor_matches_eager_on_cpu()
+    matches = inductor_matches_eager_on_cpu()
+    if not matches:
+        warnings.warn(f"torch {torch.__version__}: Inductor does not reproduce eager's bf16 roundings on the "
+                      "CPU; whole-graph bf16 outputs are held to the fp32 policy's bound (README, supported "
+                      "versions)", stacklevel=1)
+    return matches
 
 
 @pytest.fixture
