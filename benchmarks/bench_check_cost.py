@@ -22,7 +22,7 @@ import triton
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_ops import HIDDEN, TOKENS, graph_ms  # noqa: E402
-from sites import SITES, make_inputs  # noqa: E402
+from sites import SITES, kernel_launch, make_inputs  # noqa: E402
 
 
 class WithoutIndexCheck:
@@ -36,17 +36,8 @@ class WithoutIndexCheck:
 
 
 def launchers(site, inputs):
-    from h3_fused.kernels.contract import check_args
-    from h3_fused.kernels.triton_modulation import launch_modulation
-
-    def launcher(policy, wrap):
-        a = check_args(**inputs, policy=policy, has_norm=site != "C")
-        u = torch.empty(a.out_shape, dtype=a.dtype, device="cuda") if site != "A" else None
-        y = torch.empty(a.out_shape, dtype=a.dtype, device="cuda") if site != "C" else None
-        return lambda: launch_modulation(a, u, y, wrap)
-
-    return {"bf16": launcher("bf16", lambda k: k), "fp32": launcher("fp32", lambda k: k),
-            "bf16_no_index_check": launcher("bf16", WithoutIndexCheck)}
+    return {"bf16": kernel_launch(site, inputs, "bf16"), "fp32": kernel_launch(site, inputs, "fp32"),
+            "bf16_no_index_check": kernel_launch(site, inputs, "bf16", WithoutIndexCheck)}
 
 
 def main():

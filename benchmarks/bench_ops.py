@@ -26,7 +26,7 @@ from triton.testing import do_bench, do_bench_cudagraph
 
 sys.path.insert(0, os.path.dirname(__file__))
 from hand_fused import hand_fused_site  # noqa: E402
-from sites import SITES, eager_site, fused_site, make_inputs, minimal_bytes  # noqa: E402
+from sites import SITES, eager_site, fused_site, kernel_launch, make_inputs, minimal_bytes  # noqa: E402
 
 TOKENS = (3072, 15808, 63232)
 HIDDEN = 5376
@@ -100,19 +100,16 @@ def run(args) -> list[dict]:
 
 def sweep(site, tokens, inputs, nbytes, roof) -> list[dict]:
     from h3_fused.kernels import triton_modulation as tm
-    from h3_fused.kernels.contract import check_args
 
-    a = check_args(**inputs, policy="bf16", has_norm=site != "C")
-    u = torch.empty(a.out_shape, dtype=a.dtype, device="cuda") if site != "A" else None
-    y = torch.empty(a.out_shape, dtype=a.dtype, device="cuda") if site != "C" else None
+    launch = kernel_launch(site, inputs, "bf16")
     original = tm.launch_config
     rows = []
     try:
         for block_t in (1, 2):
             for warps in (4, 8, 16):
                 tm.launch_config = lambda h, has_norm, bt=block_t, w=warps: (bt, triton.next_power_of_2(h), w)
-                compiled = tm.launch_modulation(a, u, y, lambda k: k)
-                ms = graph_ms(lambda: tm.launch_modulation(a, u, y, lambda k: k))
+                compiled = launch()
+                ms = graph_ms(launch)
                 gbs = nbytes / ms / 1e6
                 name = f"sweep_bt{block_t}_w{warps}"
                 rows.append(dict(site=site, T=tokens, variant=name, ms=ms, gbs=gbs, roof_gbs=roof,

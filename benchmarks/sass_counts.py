@@ -17,7 +17,9 @@ import re
 import subprocess
 import tempfile
 
+import torch
 import triton
+from h3_fused.kernels.contract import rounding_for
 from h3_fused.kernels.triton_modulation import launch_config, modulation_kernel
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -29,11 +31,13 @@ CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia",
 
 
 def compile_site(site: str, policy: str, hidden: int):
-    gate, norm, bf16 = site in "BC", site in "AB", policy == "bf16"
+    gate, norm = site in "BC", site in "AB"
     block_t, block_h, num_warps = launch_config(hidden, norm)
-    constants = dict(HIDDEN=hidden, HAS_GATE=gate, HAS_NORM=norm, HAS_WEIGHT=norm, ROUND_GATE=bf16 and gate,
-                     ROUND_NORM=bf16, ROUND_NORM_BEFORE_WEIGHT=False, ROUND_AFFINE=bf16 and norm, PORTABLE=False,
-                     BLOCK_T=block_t, BLOCK_H=block_h)
+    r = rounding_for(policy, torch.bfloat16, torch.bfloat16 if gate else None, torch.bfloat16 if norm else None,
+                     norm_rounds_before_weight=False, upcast_tables=False)
+    constants = dict(HIDDEN=hidden, HAS_GATE=gate, HAS_NORM=norm, HAS_WEIGHT=norm, ROUND_GATE=r.gate_product,
+                     ROUND_NORM=r.norm_output, ROUND_NORM_BEFORE_WEIGHT=r.norm_before_weight,
+                     ROUND_AFFINE=r.affine, PORTABLE=False, BLOCK_T=block_t, BLOCK_H=block_h)
     signature = {name: "*bf16" for name in POINTERS} | {"idx_ptr": "*i64"} | SCALARS
     signature |= {name: "constexpr" for name in constants}
     names = modulation_kernel.arg_names

@@ -61,6 +61,19 @@ def fused_site(site: str, policy: str):
     return lambda residual, gate, branch, index: gate_residual(residual, gate, branch, index, policy=policy)
 
 
+def kernel_launch(site: str, inputs: dict, policy: str, wrap=lambda kernel: kernel):
+    """A call that launches the fused kernel alone on ``inputs`` (arguments checked once, outputs
+    allocated once; no op dispatch) and returns what the launch returns (the compiled kernel).
+    ``launch_config`` is read at each call, so a benchmark may swap it between calls."""
+    from h3_fused.kernels.contract import check_args
+    from h3_fused.kernels.triton_modulation import launch_modulation
+
+    a = check_args(**inputs, policy=policy, has_norm=site != "C")
+    u = torch.empty(a.out_shape, dtype=a.dtype, device=a.device) if site != "A" else None
+    y = torch.empty(a.out_shape, dtype=a.dtype, device=a.device) if site != "C" else None
+    return lambda: launch_modulation(a, u, y, wrap)
+
+
 def minimal_bytes(site: str, tokens: int, hidden: int, itemsize: int = 2) -> int:
     """Each activation read once and each output written once (tables and index are negligible)."""
     streams = {"A": 2, "B": 4, "C": 3}[site]
