@@ -10,12 +10,14 @@ output elements not bit-identical to eager (for site B: of ``y``; ``mismatch_u``
 Every variant is timed twice: ``ms``, ``do_bench`` as a user calls it (host overhead included), and
 ``ms_graph``, the call replayed in a CUDA graph after an L2 flush, minus the flush (device time, no
 host overhead); ``roof_share`` uses ``ms_graph``. ``--sweep`` times the ``bf16`` kernel the same way
-at every T over launch configurations (BLOCK_T, num_warps) and prints registers and spills of each.
+at every T over launch configurations (``sweep_configs``) and prints registers and spills of each, next
+to a copy of the same bytes.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -80,7 +82,7 @@ def run(args) -> list[dict]:
             inputs = make_inputs(site, tokens, HIDDEN)
             ref_u, ref_y = outputs(site, eager_site(site)(**inputs))
             nbytes = minimal_bytes(site, tokens, HIDDEN)
-            for name, fn in variants(site):
+            for name, fn in ([] if args.sweep_only else variants(site)):
                 u, y = outputs(site, fn(**inputs))
                 ms = do_bench(lambda fn=fn, inputs=inputs: fn(**inputs), return_mode="median")
                 ms_graph = graph_ms(lambda fn=fn, inputs=inputs: fn(**inputs))
@@ -93,39 +95,68 @@ def run(args) -> list[dict]:
                 print(f"{site} T={tokens:6d} {name:24s} {row['us']:9.1f} us (graph {row['us_graph']:8.1f} us) "
                       f"{gbs:7.0f} GB/s "
                       f"{100 * row['roof_share']:5.1f}%  mismatch {row['mismatch']:.2e}", flush=True)
-            if args.sweep:
-                rows += sweep(site, tokens, inputs, nbytes, roof)
+            if args.sweep or args.sweep_only:
+                rows.append(same_bytes_copy(site, tokens, nbytes, roof))
+                rows += sweep(site, tokens, inputs, nbytes, roof, args.sweep_policies)
     return rows
 
 
-def sweep(site, tokens, inputs, nbytes, roof) -> list[dict]:
+def sweep_configs(site: str):
+    """The launch configurations the sweep times: warps x tiles per program x table-load placement x
+    cache hints (one row per tile; two rows per tile and 16 warps lost everywhere in run 2)."""
+    from h3_fused.kernels.triton_modulation import LaunchConfig
+
+    early = (False, True) if site != "C" else (False,)
+    for warps, tiles, tables_early, hints in itertools.product((4, 8), (1, 2, 4), early, (False, True)):
+        yield LaunchConfig(1, triton.next_power_of_2(HIDDEN), warps, tiles, tables_early, hints)
+
+
+def config_name(c) -> str:
+    return f"sweep_w{c.num_warps}_tiles{c.tiles_per_program}" + "_early" * c.tables_early + "_hints" * c.stream_hints
+
+
+def sweep(site, tokens, inputs, nbytes, roof, policies) -> list[dict]:
     from h3_fused.kernels import triton_modulation as tm
 
-    launch = kernel_launch(site, inputs, "bf16")
     original = tm.launch_config
     rows = []
     try:
-        for block_t in (1, 2):
-            for warps in (4, 8, 16):
-                tm.launch_config = lambda h, has_norm, bt=block_t, w=warps: (bt, triton.next_power_of_2(h), w)
+        for policy in policies:
+            launch = kernel_launch(site, inputs, policy)
+            for config in sweep_configs(site):
+                tm.launch_config = lambda h, has_norm, c=config: c
                 compiled = launch()
                 ms = graph_ms(launch)
                 gbs = nbytes / ms / 1e6
-                name = f"sweep_bt{block_t}_w{warps}"
-                rows.append(dict(site=site, T=tokens, variant=name, ms=ms, gbs=gbs, roof_gbs=roof,
+                name = config_name(config) + ("_fp32" if policy == "fp32" else "")
+                rows.append(dict(site=site, T=tokens, variant=name, policy=policy, ms=ms, gbs=gbs, roof_gbs=roof,
                                  roof_share=gbs / roof, mismatch=None, regs=compiled.n_regs,
                                  spills=compiled.n_spills))
-                print(f"   {name:24s} {ms * 1e3:8.1f} us {100 * gbs / roof:5.1f}% "
+                print(f"   {name:36s} {ms * 1e3:8.1f} us {100 * gbs / roof:5.1f}% "
                       f"regs {compiled.n_regs} spills {compiled.n_spills}", flush=True)
     finally:
         tm.launch_config = original
     return rows
 
 
+def same_bytes_copy(site, tokens, nbytes, roof) -> dict:
+    """A device-to-device copy moving the site's minimal bytes (half read, half written), timed as the
+    kernels are: what a pure stream of this size reaches, ramp-up and tail included."""
+    src = torch.empty(nbytes // 4, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    ms = graph_ms(lambda: dst.copy_(src))
+    gbs = nbytes / ms / 1e6
+    print(f"   {'copy of the same bytes':36s} {ms * 1e3:8.1f} us {100 * gbs / roof:5.1f}%", flush=True)
+    return dict(site=site, T=tokens, variant="copy_same_bytes", ms=ms, gbs=gbs, roof_gbs=roof, roof_share=gbs / roof,
+                mismatch=None)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="benchmarks/results/ops.json")
-    parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--sweep", action="store_true", help="also time the launch configurations")
+    parser.add_argument("--sweep-only", action="store_true", help="time only the launch configurations")
+    parser.add_argument("--sweep-policies", nargs="+", default=["bf16"], choices=["bf16", "fp32"])
     args = parser.parse_args()
     rows = run(args)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)

@@ -2,7 +2,8 @@
 
     python benchmarks/sass_counts.py [--hidden 5376]
 
-Compiles ``modulation_kernel`` with the launch configuration the ops use, disassembles it with the
+Compiles ``modulation_kernel`` with the launch configuration the ops use (pointers, strides and the row
+count 16-divisible, as Triton specialises them for the benchmark's shapes), disassembles it with the
 ``cuobjdump`` that ships with Triton, and prints registers, the instruction count per thread (the
 kernel has no loop, so static = dynamic) and the most frequent opcodes. The Triton installed here may
 differ from the GPU box's: read the counts as a comparison between builds, not as the box's SASS.
@@ -20,30 +21,32 @@ import tempfile
 import torch
 import triton
 from h3_fused.kernels.contract import rounding_for
-from h3_fused.kernels.triton_modulation import launch_config, modulation_kernel
+from h3_fused.kernels.triton_modulation import launch_config, modulation_kernel, specialisation
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 POINTERS = ("x_ptr", "res_ptr", "branch_ptr", "gate_ptr", "w_ptr", "shift_ptr", "scale_ptr", "u_ptr", "y_ptr")
-SCALARS = dict(n_rows="i32", num_table_rows="i32", eps="fp32", inv_hidden="fp32", stride_x="i32", stride_res="i32",
+SCALARS = dict(n_rows="i32", num_table_rows="i32", eps="fp32", stride_x="i32", stride_res="i32",
                stride_branch="i32", stride_gate="i32", stride_shift="i32", stride_scale="i32")
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 
 
-def compile_site(site: str, policy: str, hidden: int):
+def compile_site(site: str, policy: str, hidden: int, config=None):
+    """``modulation_kernel`` compiled for sm_90 as the ops launch it (or with ``config``)."""
     gate, norm = site in "BC", site in "AB"
-    block_t, block_h, num_warps = launch_config(hidden, norm)
+    config = config or launch_config(hidden, norm)
     r = rounding_for(policy, torch.bfloat16, torch.bfloat16 if gate else None, torch.bfloat16 if norm else None,
                      norm_rounds_before_weight=False, upcast_tables=False)
-    constants = dict(HIDDEN=hidden, HAS_GATE=gate, HAS_NORM=norm, HAS_WEIGHT=norm, ROUND_GATE=r.gate_product,
-                     ROUND_NORM=r.norm_output, ROUND_NORM_BEFORE_WEIGHT=r.norm_before_weight,
-                     ROUND_AFFINE=r.affine, PORTABLE=False, BLOCK_T=block_t, BLOCK_H=block_h)
+    constants = specialisation(hidden, gate, norm, norm, r, config, portable=False)
     signature = {name: "*bf16" for name in POINTERS} | {"idx_ptr": "*i64"} | SCALARS
     signature |= {name: "constexpr" for name in constants}
     names = modulation_kernel.arg_names
+    aligned = [n for n in names if n.endswith("_ptr") or n.startswith("stride_") or n == "n_rows"]
     source = ASTSource(fn=modulation_kernel, signature={n: signature[n] for n in names},
-                       constexprs={(names.index(k),): v for k, v in constants.items()})
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, debug=True))
+                       constexprs={(names.index(k),): v for k, v in constants.items()},
+                       attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=config.num_warps, debug=True))
 
 
 def instruction_mix(cubin: bytes) -> tuple[int, collections.Counter]:

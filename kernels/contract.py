@@ -28,19 +28,24 @@ class Rounding:
     norm_output: ``n = R_A(norm(u))`` (the norm returns the activation dtype).
     norm_before_weight: ``n = R_A(R_A(u * r) * w)`` (the native RMSNorm) instead of ``R_A(u * r * w)``.
     affine: ``p = R_A(1 + scale[idx])``, ``q = R_A(n * p)`` (bf16/fp16 modulation tables).
+    fuse_affine: ``n * p + shift[idx]`` may be one fused multiply-add (``fp32`` only: it drops the fp32
+    rounding of the product, never adds one); otherwise the product is rounded to fp32 as eager does.
     """
 
     gate_product: bool
     norm_output: bool
     norm_before_weight: bool
     affine: bool
+    fuse_affine: bool = False
 
 
 def rounding_for(policy: str, activation: torch.dtype, gate_table: torch.dtype | None,
                  mod_table: torch.dtype | None, *, norm_rounds_before_weight: bool,
                  upcast_tables: bool) -> Rounding:
     """The rounding points of the eager graph under ``bf16``; only the stored ones under ``fp32``."""
-    if policy == "fp32" or activation == torch.float32:
+    if policy == "fp32":
+        return Rounding(False, False, False, False, fuse_affine=True)
+    if activation == torch.float32:
         return Rounding(False, False, False, False)
 
     def low(table):
