@@ -12,11 +12,14 @@
    PSNR of every step's latent against eager, per variant.
 4. Compile time: first compile (empty caches, a process per variant) and warm-cache compile of the
    regional block, per variant.
+5. Inventory (``--parts inventory``, not in the default parts): the CUDA kernels of one block of the
+   model-level graph by name, under Inductor and h3_fused, and what each launches that the other does not.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import gc
 import json
@@ -61,14 +64,19 @@ def compile_regional(model, variant):
     return model
 
 
-def profile_kernels(fn) -> tuple[int, float, float, int]:
-    """(CUDA kernels, total kernel us, fused-modulation kernel us, fused-modulation kernels) of one call."""
+def cuda_kernels(fn) -> list:
+    """The CUDA kernel events of one call of ``fn`` (after a warm-up call), from ``torch.profiler``."""
     fn()
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def profile_kernels(fn) -> tuple[int, float, float, int]:
+    """(CUDA kernels, total kernel us, fused-modulation kernel us, fused-modulation kernels) of one call."""
+    kernels = cuda_kernels(fn)
     total = sum(e.device_time for e in kernels)
     fused = [e for e in kernels if "modulation_kernel" in e.name]
     return len(kernels), total, sum(e.device_time for e in fused), len(fused)
@@ -133,6 +141,25 @@ def model_level(rows, regional_blocks, whole_blocks):
             print(f"model {mode:8s} {variant:14s} {blocks} blocks: {ms:8.2f} ms  {n:5d} kernels/forward "
                   f"({fused} fused)  compile+run {first:6.1f} s  counters {dict(counters['h3_fused'])}", flush=True)
             del model, fn, call
+
+
+def kernel_inventory(rows):
+    """The CUDA kernels of one regional-compiled real-size block with inline attention (the model
+    level's graph), by name, under Inductor and h3_fused: what each launches that the other does not."""
+    names = {}
+    for variant in ("inductor", "h3_fused_bf16"):
+        release()
+        model = real_model(1, inline=True)
+        latents, layout = example_inputs(model.cfg, TOKENS, segments=2, device="cuda")
+        with torch.no_grad():
+            compile_regional(model, variant)
+            names[variant] = collections.Counter(e.name for e in cuda_kernels(lambda: model(latents, layout)))
+        rows.append(dict(level="inventory", variant=variant, T=TOKENS, kernels=sum(names[variant].values()),
+                         names=dict(names[variant])))
+    for variant, other in (("inductor", "h3_fused_bf16"), ("h3_fused_bf16", "inductor")):
+        only = names[variant] - names[other]
+        print(f"inventory: {variant} launches {sum(names[variant].values())} kernels; not in {other}: "
+              f"{dict(only)}", flush=True)
 
 
 def psnr(x: torch.Tensor, ref: torch.Tensor) -> float:
@@ -221,6 +248,7 @@ def main():
         "block": block_level,
         "model": lambda rows: model_level(rows, args.blocks, args.whole_blocks),
         "trajectory": lambda rows: trajectory(rows, args.traj_blocks, args.steps, args.traj_tokens),
+        "inventory": kernel_inventory,
     }
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     rows = []

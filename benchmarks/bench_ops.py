@@ -9,7 +9,9 @@ compiled graph. Time: median of ``triton.testing.do_bench`` (L2 flushed before e
 output elements not bit-identical to eager (for site B: of ``y``; ``mismatch_u`` of the residual).
 Every variant is timed twice: ``ms``, ``do_bench`` as a user calls it (host overhead included), and
 ``ms_graph``, the call replayed in a CUDA graph after an L2 flush, minus the flush (device time, no
-host overhead); ``roof_share`` uses ``ms_graph``. ``--sweep`` times the ``bf16`` kernel the same way
+host overhead); ``roof_share`` uses ``ms_graph``. Each site and T also times ``copy_same_bytes``, a
+copy of the site's minimal bytes: what a pure stream of that size reaches (small T pays ramp-up and
+tail as the kernels do). ``--sweep`` times the ``bf16`` kernel the same way
 at every T over launch configurations (``sweep_configs``) and prints registers and spills of each, next
 to a copy of the same bytes.
 """
@@ -82,6 +84,7 @@ def run(args) -> list[dict]:
             inputs = make_inputs(site, tokens, HIDDEN)
             ref_u, ref_y = outputs(site, eager_site(site)(**inputs))
             nbytes = minimal_bytes(site, tokens, HIDDEN)
+            rows.append(same_bytes_copy(site, tokens, nbytes, roof))
             for name, fn in ([] if args.sweep_only else variants(site)):
                 u, y = outputs(site, fn(**inputs))
                 ms = do_bench(lambda fn=fn, inputs=inputs: fn(**inputs), return_mode="median")
@@ -96,23 +99,16 @@ def run(args) -> list[dict]:
                       f"{gbs:7.0f} GB/s "
                       f"{100 * row['roof_share']:5.1f}%  mismatch {row['mismatch']:.2e}", flush=True)
             if args.sweep or args.sweep_only:
-                rows.append(same_bytes_copy(site, tokens, nbytes, roof))
                 rows += sweep(site, tokens, inputs, nbytes, roof, args.sweep_policies)
     return rows
 
 
-def sweep_configs(site: str):
-    """The launch configurations the sweep times: warps x tiles per program x table-load placement x
-    cache hints (one row per tile; two rows per tile and 16 warps lost everywhere in run 2)."""
+def sweep_configs():
+    """The launch configurations the sweep times: rows per program x warps."""
     from h3_fused.kernels.triton_modulation import LaunchConfig
 
-    early = (False, True) if site != "C" else (False,)
-    for warps, tiles, tables_early, hints in itertools.product((4, 8), (1, 2, 4), early, (False, True)):
-        yield LaunchConfig(1, triton.next_power_of_2(HIDDEN), warps, tiles, tables_early, hints)
-
-
-def config_name(c) -> str:
-    return f"sweep_w{c.num_warps}_tiles{c.tiles_per_program}" + "_early" * c.tables_early + "_hints" * c.stream_hints
+    for block_t, warps in itertools.product((1, 2), (4, 8, 16)):
+        yield LaunchConfig(block_t, triton.next_power_of_2(HIDDEN), warps)
 
 
 def sweep(site, tokens, inputs, nbytes, roof, policies) -> list[dict]:
@@ -123,12 +119,12 @@ def sweep(site, tokens, inputs, nbytes, roof, policies) -> list[dict]:
     try:
         for policy in policies:
             launch = kernel_launch(site, inputs, policy)
-            for config in sweep_configs(site):
+            for config in sweep_configs():
                 tm.launch_config = lambda h, has_norm, c=config: c
                 compiled = launch()
                 ms = graph_ms(launch)
                 gbs = nbytes / ms / 1e6
-                name = config_name(config) + ("_fp32" if policy == "fp32" else "")
+                name = f"sweep_bt{config.block_t}_w{config.num_warps}" + ("_fp32" if policy == "fp32" else "")
                 rows.append(dict(site=site, T=tokens, variant=name, policy=policy, ms=ms, gbs=gbs, roof_gbs=roof,
                                  roof_share=gbs / roof, mismatch=None, regs=compiled.n_regs,
                                  spills=compiled.n_spills))
@@ -146,9 +142,10 @@ def same_bytes_copy(site, tokens, nbytes, roof) -> dict:
     dst = torch.empty_like(src)
     ms = graph_ms(lambda: dst.copy_(src))
     gbs = nbytes / ms / 1e6
-    print(f"   {'copy of the same bytes':36s} {ms * 1e3:8.1f} us {100 * gbs / roof:5.1f}%", flush=True)
-    return dict(site=site, T=tokens, variant="copy_same_bytes", ms=ms, gbs=gbs, roof_gbs=roof, roof_share=gbs / roof,
-                mismatch=None)
+    print(f"{site} T={tokens:6d} {'copy of the same bytes':24s} (graph {ms * 1e3:8.1f} us) {gbs:7.0f} GB/s "
+          f"{100 * gbs / roof:5.1f}%", flush=True)
+    return dict(site=site, T=tokens, H=HIDDEN, variant="copy_same_bytes", ms_graph=ms, us_graph=ms * 1e3, gbs=gbs,
+                roof_gbs=roof, roof_share=gbs / roof)
 
 
 def main():

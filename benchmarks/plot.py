@@ -4,7 +4,7 @@
     python benchmarks/plot.py benchmarks/results/model.json docs/trajectory_psnr.png  # PSNR per step
 
 The op results give achieved GB/s against T per variant and site, with the copy bandwidth as the
-roof; the model results give each variant's PSNR against eager at every step of the trajectory.
+roof and a copy of the same bytes per T (dotted); the model results give each variant's PSNR against eager at every step of the trajectory.
 """
 
 import json
@@ -24,7 +24,8 @@ def plot_bandwidth(rows, dst: str) -> None:
         mine = [r for r in rows if r["site"] == site]
         for variant in dict.fromkeys(r["variant"] for r in mine):
             pts = sorted((r["T"], r["gbs"]) for r in mine if r["variant"] == variant)
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=variant)
+            style = dict(color="k", linestyle=":", marker="") if variant == "copy_same_bytes" else dict(marker="o")
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], label=variant, **style)
         ax.axhline(mine[0]["roof_gbs"], color="k", linestyle="--", label="copy bandwidth")
         ax.set_xscale("log")
         tokens = sorted({r["T"] for r in mine})

@@ -28,15 +28,16 @@ class Rounding:
     norm_output: ``n = R_A(norm(u))`` (the norm returns the activation dtype).
     norm_before_weight: ``n = R_A(R_A(u * r) * w)`` (the native RMSNorm) instead of ``R_A(u * r * w)``.
     affine: ``p = R_A(1 + scale[idx])``, ``q = R_A(n * p)`` (bf16/fp16 modulation tables).
-    fuse_affine: ``n * p + shift[idx]`` may be one fused multiply-add (``fp32`` only: it drops the fp32
-    rounding of the product, never adds one); otherwise the product is rounded to fp32 as eager does.
+    fused_affine: ``n * p + shift[idx]`` may be one fused multiply-add, without the fp32 rounding of the
+    product (``fp32`` only, as the upstream fp32 kernels compile it). The gate product is never fused:
+    a bf16 x bf16 product is exact in fp32, so fusing it would change no stored residual.
     """
 
     gate_product: bool
     norm_output: bool
     norm_before_weight: bool
     affine: bool
-    fuse_affine: bool = False
+    fused_affine: bool = False
 
 
 def rounding_for(policy: str, activation: torch.dtype, gate_table: torch.dtype | None,
@@ -44,7 +45,7 @@ def rounding_for(policy: str, activation: torch.dtype, gate_table: torch.dtype |
                  upcast_tables: bool) -> Rounding:
     """The rounding points of the eager graph under ``bf16``; only the stored ones under ``fp32``."""
     if policy == "fp32":
-        return Rounding(False, False, False, False, fuse_affine=True)
+        return Rounding(False, False, False, False, fused_affine=True)
     if activation == torch.float32:
         return Rounding(False, False, False, False)
 

@@ -2,26 +2,25 @@
 
 Per row ``t`` (``i = index[t]``, all arithmetic in fp32, ``R`` = round to the activation dtype):
 
-    site B/C:  g = gate[i] * branch            (R if ROUND_GATE; a non-contractible multiply)
+    site B/C:  g = gate[i] * branch            (R if ROUND_GATE)
                u = R(residual + g)             -> stored (B, C)
     site A:    u = x
     site A/B:  r = rsqrt(sum(u*u) * (1/H) + eps)
                n = u * r                       (R if ROUND_NORM_BEFORE_WEIGHT, then * w if HAS_WEIGHT)
                n = R(n) if ROUND_NORM
                p = 1 + scale[i]                (R if ROUND_AFFINE)
-               q = n * p                       (R if ROUND_AFFINE; non-contractible unless FUSE_AFFINE)
+               q = n * p                       (R if ROUND_AFFINE; fused with the add if FUSE_AFFINE)
                y = R(q + shift[i])             -> stored (A, B)
 
-A tile is ``BLOCK_T`` whole rows held in registers, ``next_power_of_2(H)`` wide; a program finishes
-``TILES_PER_PROGRAM`` tiles and issues the next tile's streamed loads (index and activations) before it
-finishes the current one (``launch_config`` says which sizes and why).
+Each program holds ``BLOCK_T`` whole rows in registers, ``next_power_of_2(H)`` wide (``launch_config``
+says why these sizes).
 
 Multiplies feeding an add are never contracted into an FMA (which would remove the fp32 rounding
-eager performs), except ``n * p + shift`` under the ``fp32`` policy (``FUSE_AFFINE``). Under the
-interpreter (``PORTABLE``) rounding to bf16 is done on the bits, since the interpreter truncates
-conversions. An out-of-range index never reads out of bounds (it is clamped for the loads) and fails a
-device-side assertion: the kernel is compiled with ``debug=True`` for direct launches, and Inductor
-compiles it with assertions on (``assert_indirect_indexing``, its default).
+eager performs), except ``n * p + shift`` under the ``fp32`` policy (``FUSE_AFFINE``), as the upstream
+fp32 kernels compile it. Under the interpreter (``PORTABLE``) rounding to bf16 is done on the bits, since the
+interpreter truncates conversions. An out-of-range index never reads out of bounds (it is clamped for
+the loads) and fails a device-side assertion: the kernel is compiled with ``debug=True`` for direct
+launches, and Inductor compiles it with assertions on (``assert_indirect_indexing``, its default).
 """
 
 from __future__ import annotations
@@ -51,7 +50,9 @@ def _rounded(v, dtype: tl.constexpr, PORTABLE: tl.constexpr):
 
 @triton.jit
 def _mul_rn(a, b, zero):
-    """``a * b`` rounded once in fp32 and never contracted into an FMA with a following add.
+    """``a * b`` rounded once in fp32 and never contracted into an FMA with a following add, even where
+    the product is then rounded to bf16: LLVM narrows ``R(a*b)`` and ``R(c + R(a*b))`` of bf16 values
+    to bf16 arithmetic and would contract the pair into one ``fma.rn.bf16x2``, dropping the rounding.
 
     The product passes through an integer XOR with ``zero``, a per-row value derived from the loaded
     index (0 for every valid row; Inductor would fold a scalar 0 argument into a constant), which
@@ -77,96 +78,60 @@ def _columns(rows, row_ok, BLOCK_H: tl.constexpr, HIDDEN: tl.constexpr):
 
 
 @triton.jit
-def _load_tile(
-    x_ptr, res_ptr, branch_ptr, idx_ptr, tile, n_rows, num_table_rows, stride_x, stride_res, stride_branch,
-    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, HIDDEN: tl.constexpr, HAS_GATE: tl.constexpr,
-    STREAM_HINTS: tl.constexpr,
+def _new_residual(
+    x_ptr, res_ptr, branch_ptr, gate_ptr, u_ptr, rows, row_ok, idx, zero,
+    stride_x, stride_res, stride_branch, stride_gate,
+    BLOCK_H: tl.constexpr, HIDDEN: tl.constexpr, HAS_GATE: tl.constexpr, ROUND_GATE: tl.constexpr,
+    PORTABLE: tl.constexpr,
 ):
-    """Issue the loads of one tile's streamed operands: its index and its activations (``x``, or
-    ``residual`` and ``branch``), which need no index. Returns ``(rows, row_ok, idx, bad, zero, a, b)``:
-    ``idx`` clamped into ``[0, K)``, ``bad`` the rows whose index was not, ``zero`` 0 on every valid row
-    (see ``_mul_rn``), ``a``/``b`` the raw activations (``b`` is ``a`` for site A)."""
-    rows = tile.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
-    row_ok = rows < n_rows
-    idx = tl.load(idx_ptr + rows, mask=row_ok, other=0).to(tl.int64)
-    bad = row_ok & ((idx < 0) | (idx >= num_table_rows))
-    zero = (idx < 0).to(tl.int32)[:, None]
-    idx = tl.where(bad, 0, idx)  # every table load reads in bounds, whatever the index
+    """``u`` (fp32): the gated residual, stored (sites B, C), or the loaded ``x`` (site A)."""
     cols, mask = _columns(rows, row_ok, BLOCK_H, HIDDEN)
-    policy: tl.constexpr = "evict_first" if STREAM_HINTS else ""
     if HAS_GATE:
-        a = tl.load(res_ptr + rows[:, None] * stride_res + cols[None, :], mask=mask, other=0.0,
-                    eviction_policy=policy)
-        b = tl.load(branch_ptr + rows[:, None] * stride_branch + cols[None, :], mask=mask, other=0.0,
-                    eviction_policy=policy)
-    else:
-        a = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0, eviction_policy=policy)
-        b = a
-    return rows, row_ok, idx, bad, zero, a, b
-
-
-@triton.jit
-def _table_rows(ptr, idx, stride, mask, cols, STREAM_HINTS: tl.constexpr):
-    """Rows ``idx`` of a ``[K, H]`` table as fp32 (kept in L2 under ``STREAM_HINTS``: every tile reads them)."""
-    policy: tl.constexpr = "evict_last" if STREAM_HINTS else ""
-    return tl.load(ptr + idx[:, None] * stride + cols[None, :], mask=mask, other=0.0,
-                   eviction_policy=policy).to(tl.float32)
-
-
-@triton.jit
-def _finish_tile(
-    rows, row_ok, idx, bad, zero, a, b, gate_ptr, w_ptr, shift_ptr, scale_ptr, u_ptr, y_ptr, eps,
-    stride_gate, stride_shift, stride_scale,
-    BLOCK_H: tl.constexpr, HIDDEN: tl.constexpr, HAS_GATE: tl.constexpr, HAS_NORM: tl.constexpr,
-    HAS_WEIGHT: tl.constexpr, ROUND_GATE: tl.constexpr, ROUND_NORM: tl.constexpr,
-    ROUND_NORM_BEFORE_WEIGHT: tl.constexpr, ROUND_AFFINE: tl.constexpr, FUSE_AFFINE: tl.constexpr,
-    PORTABLE: tl.constexpr, TABLES_EARLY: tl.constexpr, STREAM_HINTS: tl.constexpr,
-):
-    """Everything after ``_load_tile``: the table loads, the math of the module docstring, the stores."""
-    act: tl.constexpr = u_ptr.dtype.element_ty
-    store_policy: tl.constexpr = "evict_first" if STREAM_HINTS else ""
-    cols, mask = _columns(rows, row_ok, BLOCK_H, HIDDEN)
-    if HAS_NORM and TABLES_EARLY:
-        scale = _table_rows(scale_ptr, idx, stride_scale, mask, cols, STREAM_HINTS)
-        shift = _table_rows(shift_ptr, idx, stride_shift, mask, cols, STREAM_HINTS)
-    if HAS_GATE:
-        gate = _table_rows(gate_ptr, idx, stride_gate, mask, cols, STREAM_HINTS)
-        g = _mul_rn(gate, b.to(tl.float32), zero)
+        act: tl.constexpr = u_ptr.dtype.element_ty
+        res = tl.load(res_ptr + rows[:, None] * stride_res + cols[None, :], mask=mask, other=0.0)
+        branch = tl.load(branch_ptr + rows[:, None] * stride_branch + cols[None, :], mask=mask, other=0.0)
+        gate = tl.load(gate_ptr + idx[:, None] * stride_gate + cols[None, :], mask=mask, other=0.0)
+        g = _mul_rn(gate.to(tl.float32), branch.to(tl.float32), zero)
         if ROUND_GATE:
             g = _rounded(g, act, PORTABLE)
-        u = _rounded(a.to(tl.float32) + g, act, PORTABLE)
-        tl.store(u_ptr + rows[:, None] * HIDDEN + cols[None, :], u.to(act), mask=mask, eviction_policy=store_policy)
+        u = _rounded(res.to(tl.float32) + g, act, PORTABLE)
+        tl.store(u_ptr + rows[:, None] * HIDDEN + cols[None, :], u.to(act), mask=mask)
     else:
-        u = a.to(tl.float32)
-    # after the activation loads: a load may not move above the assertion's call, which would otherwise
-    # hold the tile's loads until the index arrives (measured: 5-6% of site A at T >= 15,808)
-    tl.device_assert(~bad, "h3_fused: index out of range [0, K)")
-    if HAS_NORM:
-        # fp32 constants and scalars (Inductor may pass eps as a constexpr float, which computes in fp64)
-        mean_square = tl.sum(u * u, axis=1) * tl.cast(1.0 / HIDDEN, tl.float32)
-        n = u * _rsqrt(mean_square + tl.cast(eps, tl.float32), PORTABLE)[:, None]
-        if HAS_WEIGHT:
-            w = tl.load(w_ptr + cols, mask=cols < HIDDEN, other=0.0).to(tl.float32)
-            if ROUND_NORM_BEFORE_WEIGHT:
-                n = _rounded(n, act, PORTABLE)
-            n = n * w[None, :]
-        if ROUND_NORM:
+        u = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    return u
+
+
+@triton.jit
+def _modulated(
+    u, r, w_ptr, shift_ptr, scale_ptr, y_ptr, rows, row_ok, idx, zero, stride_shift, stride_scale,
+    BLOCK_H: tl.constexpr, HIDDEN: tl.constexpr, HAS_WEIGHT: tl.constexpr, ROUND_NORM: tl.constexpr,
+    ROUND_NORM_BEFORE_WEIGHT: tl.constexpr, ROUND_AFFINE: tl.constexpr, FUSE_AFFINE: tl.constexpr,
+    PORTABLE: tl.constexpr,
+):
+    """``y = R(R(norm(u)) * R(1 + scale[i]) + shift[i])`` (roundings as the flags say), stored (sites A, B)."""
+    act: tl.constexpr = y_ptr.dtype.element_ty
+    cols, mask = _columns(rows, row_ok, BLOCK_H, HIDDEN)
+    n = u * r[:, None]
+    if HAS_WEIGHT:
+        w = tl.load(w_ptr + cols, mask=cols < HIDDEN, other=0.0).to(tl.float32)
+        if ROUND_NORM_BEFORE_WEIGHT:
             n = _rounded(n, act, PORTABLE)
-        if not TABLES_EARLY:
-            scale = _table_rows(scale_ptr, idx, stride_scale, mask, cols, STREAM_HINTS)
-            shift = _table_rows(shift_ptr, idx, stride_shift, mask, cols, STREAM_HINTS)
-        p = 1.0 + scale
+        n = n * w[None, :]
+    if ROUND_NORM:
+        n = _rounded(n, act, PORTABLE)
+    scale = tl.load(scale_ptr + idx[:, None] * stride_scale + cols[None, :], mask=mask, other=0.0)
+    shift = tl.load(shift_ptr + idx[:, None] * stride_shift + cols[None, :], mask=mask, other=0.0)
+    p = 1.0 + scale.to(tl.float32)
+    if ROUND_AFFINE:
+        p = _rounded(p, act, PORTABLE)
+    if FUSE_AFFINE:
+        q = n * p
+    else:
+        q = _mul_rn(n, p, zero)
         if ROUND_AFFINE:
-            p = _rounded(p, act, PORTABLE)
-        if FUSE_AFFINE:
-            y = n * p + shift
-        else:
-            q = _mul_rn(n, p, zero)
-            if ROUND_AFFINE:
-                q = _rounded(q, act, PORTABLE)
-            y = q + shift
-        tl.store(y_ptr + rows[:, None] * HIDDEN + cols[None, :], _rounded(y, act, PORTABLE).to(act), mask=mask,
-                 eviction_policy=store_policy)
+            q = _rounded(q, act, PORTABLE)
+    y = q + shift.to(tl.float32)
+    tl.store(y_ptr + rows[:, None] * HIDDEN + cols[None, :], _rounded(y, act, PORTABLE).to(act), mask=mask)
 
 
 @triton.jit(debug=True)
@@ -176,51 +141,48 @@ def modulation_kernel(
     stride_x, stride_res, stride_branch, stride_gate, stride_shift, stride_scale,
     HIDDEN: tl.constexpr, HAS_GATE: tl.constexpr, HAS_NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr,
     ROUND_GATE: tl.constexpr, ROUND_NORM: tl.constexpr, ROUND_NORM_BEFORE_WEIGHT: tl.constexpr,
-    ROUND_AFFINE: tl.constexpr, FUSE_AFFINE: tl.constexpr, PORTABLE: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, TILES_PER_PROGRAM: tl.constexpr,
-    TABLES_EARLY: tl.constexpr, STREAM_HINTS: tl.constexpr,
+    ROUND_AFFINE: tl.constexpr, FUSE_AFFINE: tl.constexpr, PORTABLE: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_H: tl.constexpr,
 ):
-    """Program ``p`` of ``G`` handles tiles ``p, p + G, ...`` (``TILES_PER_PROGRAM`` of them), issuing the
-    loads of the next tile before it finishes the current one."""
-    pid = tl.program_id(0)
-    n_programs = tl.num_programs(0)
-    rows, row_ok, idx, bad, zero, a, b = _load_tile(
-        x_ptr, res_ptr, branch_ptr, idx_ptr, pid, n_rows, num_table_rows, stride_x, stride_res, stride_branch,
-        BLOCK_T, BLOCK_H, HIDDEN, HAS_GATE, STREAM_HINTS)
-    for k in tl.static_range(TILES_PER_PROGRAM):
-        if k + 1 < TILES_PER_PROGRAM:
-            next_tile = _load_tile(
-                x_ptr, res_ptr, branch_ptr, idx_ptr, pid + (k + 1) * n_programs, n_rows, num_table_rows,
-                stride_x, stride_res, stride_branch, BLOCK_T, BLOCK_H, HIDDEN, HAS_GATE, STREAM_HINTS)
-        _finish_tile(rows, row_ok, idx, bad, zero, a, b, gate_ptr, w_ptr, shift_ptr, scale_ptr, u_ptr, y_ptr, eps,
-                     stride_gate, stride_shift, stride_scale, BLOCK_H, HIDDEN, HAS_GATE, HAS_NORM, HAS_WEIGHT,
-                     ROUND_GATE, ROUND_NORM, ROUND_NORM_BEFORE_WEIGHT, ROUND_AFFINE, FUSE_AFFINE, PORTABLE,
-                     TABLES_EARLY, STREAM_HINTS)
-        if k + 1 < TILES_PER_PROGRAM:
-            rows, row_ok, idx, bad, zero, a, b = next_tile
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    row_ok = rows < n_rows
+    idx = tl.load(idx_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+    bad = row_ok & ((idx < 0) | (idx >= num_table_rows))
+    zero = (idx < 0).to(tl.int32)[:, None]  # 0 wherever the result is defined (see _mul_rn)
+    idx = tl.where(bad, 0, idx)  # every load reads in bounds, whatever the index
+
+    u = _new_residual(x_ptr, res_ptr, branch_ptr, gate_ptr, u_ptr, rows, row_ok, idx, zero,
+                      stride_x, stride_res, stride_branch, stride_gate, BLOCK_H, HIDDEN, HAS_GATE, ROUND_GATE,
+                      PORTABLE)
+    # after the activation loads: a load may not move above the assertion's call, which would otherwise
+    # hold the row's loads until the index arrives (measured: 5-6% of site A at T >= 15,808)
+    tl.device_assert(~bad, "h3_fused: index out of range [0, K)")
+    if HAS_NORM:
+        # fp32 constants and scalars (Inductor may pass eps as a constexpr float, which computes in fp64)
+        mean_square = tl.sum(u * u, axis=1) * tl.cast(1.0 / HIDDEN, tl.float32)
+        r = _rsqrt(mean_square + tl.cast(eps, tl.float32), PORTABLE)
+        _modulated(u, r, w_ptr, shift_ptr, scale_ptr, y_ptr, rows, row_ok, idx, zero, stride_shift, stride_scale,
+                   BLOCK_H, HIDDEN, HAS_WEIGHT, ROUND_NORM, ROUND_NORM_BEFORE_WEIGHT, ROUND_AFFINE, FUSE_AFFINE,
+                   PORTABLE)
 
 
 @dataclass(frozen=True)
 class LaunchConfig:
-    """How ``modulation_kernel`` is launched: ``BLOCK_T`` rows of ``BLOCK_H >= H`` columns per tile,
-    ``tiles_per_program`` tiles per program (the next one's loads issued before the current one is
-    finished), table rows loaded before the norm's reduction (``tables_early``) or after it, cache
-    hints (``stream_hints``: activations evict-first, tables evict-last)."""
+    """``BLOCK_T`` rows of ``BLOCK_H >= H`` columns per program, on ``num_warps`` warps."""
 
     block_t: int
     block_h: int
     num_warps: int
-    tiles_per_program: int = 1
-    tables_early: bool = False
-    stream_hints: bool = False
 
 
 def launch_config(hidden: int, has_norm: bool) -> LaunchConfig:
-    """Whole rows in registers, at least 2K elements per tile.
+    """Whole rows in registers, at least 2K elements per program.
 
     Measured on the H200 at H = 5,376 (``benchmarks/bench_ops.py --sweep``, docs/BENCHMARKS.md): one row
-    per tile; 64 elements per thread (4 warps) for the norm sites, 32 (8 warps) for site C. Splitting
-    the row into unmasked power-of-two pieces, two rows per tile, and 16 warps were all slower.
+    per program; 64 elements per thread (4 warps) for the norm sites, 32 (8 warps) for site C. Also
+    measured and slower: the row as unmasked power-of-two pieces, two rows per program, 16 warps,
+    programs that loop over rows loading the next row's activations first, the table rows loaded
+    before the norm's reduction, and evict-first/evict-last cache hints.
     """
     block_h = triton.next_power_of_2(int(hidden))  # a constexpr: H is specialised, never symbolic
     if block_h > MAX_BLOCK_H:
@@ -238,9 +200,8 @@ def specialisation(hidden: int, has_gate: bool, has_norm: bool, has_weight: bool
         HIDDEN=hidden, HAS_GATE=has_gate, HAS_NORM=has_norm, HAS_WEIGHT=has_weight,
         ROUND_GATE=rounding.gate_product, ROUND_NORM=rounding.norm_output,
         ROUND_NORM_BEFORE_WEIGHT=rounding.norm_before_weight, ROUND_AFFINE=rounding.affine,
-        FUSE_AFFINE=rounding.fuse_affine, PORTABLE=portable, BLOCK_T=config.block_t, BLOCK_H=config.block_h,
-        TILES_PER_PROGRAM=config.tiles_per_program, TABLES_EARLY=config.tables_early,
-        STREAM_HINTS=config.stream_hints,
+        FUSE_AFFINE=rounding.fused_affine, PORTABLE=portable, BLOCK_T=config.block_t,
+        BLOCK_H=config.block_h,
     )
 
 
@@ -265,8 +226,7 @@ def launch_modulation(a: ModulationArgs, u: torch.Tensor | None, y: torch.Tensor
 
     x, res, branch = rows_or_alias(a.x), rows_or_alias(a.residual), rows_or_alias(a.branch)
     gate, shift, scale = table_or_alias(a.gate), table_or_alias(a.shift), table_or_alias(a.scale)
-    tiles = triton.cdiv(a.rows, config.block_t)
-    return wrap(modulation_kernel)[(triton.cdiv(tiles, config.tiles_per_program),)](
+    return wrap(modulation_kernel)[(triton.cdiv(a.rows, config.block_t),)](
         x, res, branch, gate, table_or_alias(a.weight), shift, scale, a.index,
         y if u is None else u, u if y is None else y,
         a.rows, a.num_table_rows, a.eps,

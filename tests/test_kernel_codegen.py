@@ -1,0 +1,37 @@
+"""The kernel's code for Hopper (sm_90), compiled without a GPU: the rounding points survive LLVM.
+
+Under ``bf16`` every product that eager rounds before an add must stay rounded. LLVM narrows
+``R(a*b)`` and ``R(c + R(a*b))`` of bf16 values to bf16 arithmetic, and with contraction allowed it
+would fuse the pair into one ``fma.rn.bf16x2`` (a single rounding where eager has two): these tests
+hold the compiled PTX to no bf16 FMA at all, and to fp32 FMAs under ``fp32`` (where the affine may fuse).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+from sass_counts import compile_site  # noqa: E402
+
+
+def ptx_ops(site: str, policy: str, hidden: int = 5376) -> list[str]:
+    ptx = compile_site(site, policy, hidden).asm["ptx"]
+    return re.findall(r"^\s+((?:fma|mul|add)\.[\w.]+)", ptx, re.M)
+
+
+@pytest.mark.parametrize("site", ["A", "B", "C"])
+def test_bf16_policy_never_fuses_a_product_into_an_add(site):
+    ops = ptx_ops(site, "bf16")
+    assert any(op.startswith("mul.") and op.endswith("f32") for op in ops), "expected fp32 products"
+    assert not [op for op in ops if op.startswith("fma.") and "bf16" in op]
+
+
+def test_fp32_policy_fuses_the_affine_multiply_add():
+    assert not [op for op in ptx_ops("A", "fp32") if op.startswith("fma.") and "bf16" in op]
+    fp32_fmas = [op for op in ptx_ops("A", "fp32") if op == "fma.rn.f32"]
+    bf16_fmas = [op for op in ptx_ops("A", "bf16") if op == "fma.rn.f32"]
+    assert len(fp32_fmas) > len(bf16_fmas)
