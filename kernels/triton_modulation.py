@@ -12,8 +12,9 @@ Per row ``t`` (``i = index[t]``, all arithmetic in fp32, ``R`` = round to the ac
                q = n * p                       (R if ROUND_AFFINE; fused with the add if FUSE_AFFINE)
                y = R(q + shift[i])             -> stored (A, B)
 
-Each program holds ``BLOCK_T`` whole rows in registers, ``next_power_of_2(H)`` wide (``launch_config``
-says why these sizes).
+Each program holds ``BLOCK_T`` whole rows in registers, read in chunks of ``CHUNK`` columns; the chunks
+of ``u`` stay in registers (in the activation dtype) from the sum of squares to the modulation
+(``launch_config`` says why these sizes).
 
 Multiplies feeding an add are never contracted into an FMA (which would remove the fp32 rounding
 eager performs), except ``n * p + shift`` under the ``fp32`` policy (``FUSE_AFFINE``), as the upstream
@@ -62,6 +63,20 @@ def _mul_rn(a, b, zero):
 
 
 @triton.jit
+def _rounded_product(a, b, zero, dtype: tl.constexpr, PORTABLE: tl.constexpr):
+    """``R(a * b)`` (``a``, ``b`` fp32), as fp32, never contracted into an FMA with a following add.
+
+    Where ``a`` and ``b`` are bf16 values LLVM computes this as one packed bf16 multiply (exact: the
+    fp32 product of two bf16 values needs no rounding, so one rounding to bf16 is eager's), and the
+    XOR of the rounded bits with ``zero`` (see ``_mul_rn``) keeps it from fusing with the next add.
+    """
+    if PORTABLE:
+        return _rounded(a * b, dtype, PORTABLE)
+    bits = (a * b).to(dtype).to(tl.int16, bitcast=True) ^ zero.to(tl.int16)
+    return bits.to(dtype, bitcast=True).to(tl.float32)
+
+
+@triton.jit
 def _rsqrt(v, PORTABLE: tl.constexpr):
     """CUDA's ``rsqrtf`` (what eager ``torch.rsqrt`` calls); the interpreter has no libdevice."""
     if PORTABLE:
@@ -70,30 +85,30 @@ def _rsqrt(v, PORTABLE: tl.constexpr):
 
 
 @triton.jit
-def _columns(rows, row_ok, BLOCK_H: tl.constexpr, HIDDEN: tl.constexpr):
-    """Column indices of a row block and the load/store mask (a column test only where it pads ``H``)."""
-    cols = tl.arange(0, BLOCK_H)
-    mask = row_ok[:, None] & (cols < HIDDEN)[None, :] if BLOCK_H > HIDDEN else row_ok[:, None]
+def _chunk(c: tl.constexpr, row_ok, CHUNK: tl.constexpr, HIDDEN: tl.constexpr):
+    """Columns of chunk ``c`` of the row and the load/store mask (a column test only in the chunk that
+    crosses ``H``)."""
+    cols = c * CHUNK + tl.arange(0, CHUNK)
+    mask = row_ok[:, None] & (cols < HIDDEN)[None, :] if (c + 1) * CHUNK > HIDDEN else row_ok[:, None]
     return cols, mask
 
 
 @triton.jit
 def _new_residual(
-    x_ptr, res_ptr, branch_ptr, gate_ptr, u_ptr, rows, row_ok, idx, zero,
+    x_ptr, res_ptr, branch_ptr, gate_ptr, u_ptr, rows, idx, zero, cols, mask,
     stride_x, stride_res, stride_branch, stride_gate,
-    BLOCK_H: tl.constexpr, HIDDEN: tl.constexpr, HAS_GATE: tl.constexpr, ROUND_GATE: tl.constexpr,
-    PORTABLE: tl.constexpr,
+    HIDDEN: tl.constexpr, HAS_GATE: tl.constexpr, ROUND_GATE: tl.constexpr, PORTABLE: tl.constexpr,
 ):
-    """``u`` (fp32): the gated residual, stored (sites B, C), or the loaded ``x`` (site A)."""
-    cols, mask = _columns(rows, row_ok, BLOCK_H, HIDDEN)
+    """One chunk of ``u`` (fp32): the gated residual, stored (sites B, C), or the loaded ``x`` (site A)."""
     if HAS_GATE:
         act: tl.constexpr = u_ptr.dtype.element_ty
         res = tl.load(res_ptr + rows[:, None] * stride_res + cols[None, :], mask=mask, other=0.0)
         branch = tl.load(branch_ptr + rows[:, None] * stride_branch + cols[None, :], mask=mask, other=0.0)
         gate = tl.load(gate_ptr + idx[:, None] * stride_gate + cols[None, :], mask=mask, other=0.0)
-        g = _mul_rn(gate.to(tl.float32), branch.to(tl.float32), zero)
         if ROUND_GATE:
-            g = _rounded(g, act, PORTABLE)
+            g = _rounded_product(gate.to(tl.float32), branch.to(tl.float32), zero, act, PORTABLE)
+        else:
+            g = _mul_rn(gate.to(tl.float32), branch.to(tl.float32), zero)
         u = _rounded(res.to(tl.float32) + g, act, PORTABLE)
         tl.store(u_ptr + rows[:, None] * HIDDEN + cols[None, :], u.to(act), mask=mask)
     else:
@@ -103,14 +118,13 @@ def _new_residual(
 
 @triton.jit
 def _modulated(
-    u, r, w_ptr, shift_ptr, scale_ptr, y_ptr, rows, row_ok, idx, zero, stride_shift, stride_scale,
-    BLOCK_H: tl.constexpr, HIDDEN: tl.constexpr, HAS_WEIGHT: tl.constexpr, ROUND_NORM: tl.constexpr,
+    u, r, w_ptr, shift_ptr, scale_ptr, y_ptr, rows, idx, zero, cols, mask, stride_shift, stride_scale,
+    HIDDEN: tl.constexpr, HAS_WEIGHT: tl.constexpr, ROUND_NORM: tl.constexpr,
     ROUND_NORM_BEFORE_WEIGHT: tl.constexpr, ROUND_AFFINE: tl.constexpr, FUSE_AFFINE: tl.constexpr,
     PORTABLE: tl.constexpr,
 ):
-    """``y = R(R(norm(u)) * R(1 + scale[i]) + shift[i])`` (roundings as the flags say), stored (sites A, B)."""
+    """One chunk of ``y = R(R(norm(u)) * R(1 + scale[i]) + shift[i])`` (roundings as the flags say), stored."""
     act: tl.constexpr = y_ptr.dtype.element_ty
-    cols, mask = _columns(rows, row_ok, BLOCK_H, HIDDEN)
     n = u * r[:, None]
     if HAS_WEIGHT:
         w = tl.load(w_ptr + cols, mask=cols < HIDDEN, other=0.0).to(tl.float32)
@@ -126,10 +140,10 @@ def _modulated(
         p = _rounded(p, act, PORTABLE)
     if FUSE_AFFINE:
         q = n * p
+    elif ROUND_AFFINE:
+        q = _rounded_product(n, p, zero, act, PORTABLE)
     else:
         q = _mul_rn(n, p, zero)
-        if ROUND_AFFINE:
-            q = _rounded(q, act, PORTABLE)
     y = q + shift.to(tl.float32)
     tl.store(y_ptr + rows[:, None] * HIDDEN + cols[None, :], _rounded(y, act, PORTABLE).to(act), mask=mask)
 
@@ -142,8 +156,9 @@ def modulation_kernel(
     HIDDEN: tl.constexpr, HAS_GATE: tl.constexpr, HAS_NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr,
     ROUND_GATE: tl.constexpr, ROUND_NORM: tl.constexpr, ROUND_NORM_BEFORE_WEIGHT: tl.constexpr,
     ROUND_AFFINE: tl.constexpr, FUSE_AFFINE: tl.constexpr, PORTABLE: tl.constexpr, BLOCK_T: tl.constexpr,
-    BLOCK_H: tl.constexpr,
+    CHUNK: tl.constexpr,
 ):
+    act: tl.constexpr = u_ptr.dtype.element_ty
     rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     row_ok = rows < n_rows
     idx = tl.load(idx_ptr + rows, mask=row_ok, other=0).to(tl.int64)
@@ -151,46 +166,57 @@ def modulation_kernel(
     zero = (idx < 0).to(tl.int32)[:, None]  # 0 wherever the result is defined (see _mul_rn)
     idx = tl.where(bad, 0, idx)  # every load reads in bounds, whatever the index
 
-    u = _new_residual(x_ptr, res_ptr, branch_ptr, gate_ptr, u_ptr, rows, row_ok, idx, zero,
-                      stride_x, stride_res, stride_branch, stride_gate, BLOCK_H, HIDDEN, HAS_GATE, ROUND_GATE,
-                      PORTABLE)
+    kept = ()  # the row's chunks of u, in the activation dtype (exact: u is rounded to it or loaded in it)
+    squares = tl.zeros([BLOCK_T, CHUNK], tl.float32)
+    for c in tl.static_range(triton.cdiv(HIDDEN, CHUNK)):
+        cols, mask = _chunk(c, row_ok, CHUNK, HIDDEN)
+        u = _new_residual(x_ptr, res_ptr, branch_ptr, gate_ptr, u_ptr, rows, idx, zero, cols, mask,
+                          stride_x, stride_res, stride_branch, stride_gate, HIDDEN, HAS_GATE, ROUND_GATE, PORTABLE)
+        if HAS_NORM:
+            squares += u * u
+            kept = kept + (u.to(act),)
     # after the activation loads: a load may not move above the assertion's call, which would otherwise
     # hold the row's loads until the index arrives (measured: 5-6% of site A at T >= 15,808)
     tl.device_assert(~bad, "h3_fused: index out of range [0, K)")
     if HAS_NORM:
         # fp32 constants and scalars (Inductor may pass eps as a constexpr float, which computes in fp64)
-        mean_square = tl.sum(u * u, axis=1) * tl.cast(1.0 / HIDDEN, tl.float32)
+        mean_square = tl.sum(squares, axis=1) * tl.cast(1.0 / HIDDEN, tl.float32)
         r = _rsqrt(mean_square + tl.cast(eps, tl.float32), PORTABLE)
-        _modulated(u, r, w_ptr, shift_ptr, scale_ptr, y_ptr, rows, row_ok, idx, zero, stride_shift, stride_scale,
-                   BLOCK_H, HIDDEN, HAS_WEIGHT, ROUND_NORM, ROUND_NORM_BEFORE_WEIGHT, ROUND_AFFINE, FUSE_AFFINE,
-                   PORTABLE)
+        for c in tl.static_range(triton.cdiv(HIDDEN, CHUNK)):
+            cols, mask = _chunk(c, row_ok, CHUNK, HIDDEN)
+            _modulated(kept[c].to(tl.float32), r, w_ptr, shift_ptr, scale_ptr, y_ptr, rows, idx, zero, cols, mask,
+                       stride_shift, stride_scale, HIDDEN, HAS_WEIGHT, ROUND_NORM, ROUND_NORM_BEFORE_WEIGHT,
+                       ROUND_AFFINE, FUSE_AFFINE, PORTABLE)
 
 
 @dataclass(frozen=True)
 class LaunchConfig:
-    """``BLOCK_T`` rows of ``BLOCK_H >= H`` columns per program, on ``num_warps`` warps."""
+    """``BLOCK_T`` rows per program, each read in chunks of ``CHUNK`` columns, on ``num_warps`` warps."""
 
     block_t: int
-    block_h: int
+    chunk: int
     num_warps: int
 
 
 def launch_config(hidden: int, has_norm: bool) -> LaunchConfig:
-    """Whole rows in registers, at least 2K elements per program.
+    """Whole rows in registers, at least 2K elements per program, read in chunks of one 16-byte vector
+    per thread (8 bf16), so that only the last chunk pads ``H`` (5,376 = 6 chunks of 1,024: 12.5%
+    padding, where one ``next_power_of_2(H)`` block pads 34%).
 
     Measured on the H200 at H = 5,376 (``benchmarks/bench_ops.py --sweep``, docs/BENCHMARKS.md): one row
-    per program; 64 elements per thread (4 warps) for the norm sites, 32 (8 warps) for site C. Also
-    measured and slower: the row as unmasked power-of-two pieces, two rows per program, 16 warps,
-    programs that loop over rows loading the next row's activations first, the table rows loaded
-    before the norm's reduction, and evict-first/evict-last cache hints.
+    per program; 4 warps for the norm sites, 8 for site C. Also measured and slower: the row as one
+    padded power-of-two block, as unmasked power-of-two pieces with a reduction each, two rows per
+    program, 16 warps, programs that loop over rows loading the next row's activations first, the table
+    rows loaded before the norm's reduction, and evict-first/evict-last cache hints.
     """
-    block_h = triton.next_power_of_2(int(hidden))  # a constexpr: H is specialised, never symbolic
-    if block_h > MAX_BLOCK_H:
+    padded = triton.next_power_of_2(int(hidden))  # H is a constexpr: specialised, never symbolic
+    if padded > MAX_BLOCK_H:
         raise ValueError(f"H={hidden} exceeds the kernel's limit of {MAX_BLOCK_H}")
-    block_t = max(1, 2048 // block_h)
+    block_t = max(1, 2048 // padded)
     per_thread = 64 if has_norm else 32
-    num_warps = max(1, min(16, block_t * block_h // (32 * per_thread)))
-    return LaunchConfig(block_t, block_h, num_warps)
+    num_warps = max(1, min(16, block_t * padded // (32 * per_thread)))
+    chunk = min(padded, max(1, 32 * num_warps * 8 // block_t))
+    return LaunchConfig(block_t, chunk, num_warps)
 
 
 def specialisation(hidden: int, has_gate: bool, has_norm: bool, has_weight: bool, rounding: Rounding,
@@ -200,8 +226,7 @@ def specialisation(hidden: int, has_gate: bool, has_norm: bool, has_weight: bool
         HIDDEN=hidden, HAS_GATE=has_gate, HAS_NORM=has_norm, HAS_WEIGHT=has_weight,
         ROUND_GATE=rounding.gate_product, ROUND_NORM=rounding.norm_output,
         ROUND_NORM_BEFORE_WEIGHT=rounding.norm_before_weight, ROUND_AFFINE=rounding.affine,
-        FUSE_AFFINE=rounding.fused_affine, PORTABLE=portable, BLOCK_T=config.block_t,
-        BLOCK_H=config.block_h,
+        FUSE_AFFINE=rounding.fused_affine, PORTABLE=portable, BLOCK_T=config.block_t, CHUNK=config.chunk,
     )
 
 
