@@ -198,16 +198,21 @@ class LaunchConfig:
     num_warps: int
 
 
-def launch_config(hidden: int, has_norm: bool) -> LaunchConfig:
-    """Whole rows in registers, at least 2K elements per program, read in chunks of one 16-byte vector
-    per thread (8 bf16), so that only the last chunk pads ``H`` (5,376 = 6 chunks of 1,024: 12.5%
-    padding, where one ``next_power_of_2(H)`` block pads 34%).
+def launch_config(hidden: int, has_gate: bool, has_norm: bool) -> LaunchConfig:
+    """Whole rows in registers, at least 2K elements per program.
 
-    Measured on the H200 at H = 5,376 (``benchmarks/bench_ops.py --sweep``, docs/BENCHMARKS.md): one row
-    per program; 4 warps for the norm sites, 8 for site C. Also measured and slower: the row as one
-    padded power-of-two block, as unmasked power-of-two pieces with a reduction each, two rows per
-    program, 16 warps, programs that loop over rows loading the next row's activations first, the table
-    rows loaded before the norm's reduction, and evict-first/evict-last cache hints.
+    Site A reads its rows in chunks of one 16-byte vector per thread (8 bf16), so only the last chunk
+    pads ``H`` (5,376 = 6 chunks of 1,024) and fewer registers hold a row. Sites B and C read the row
+    as one ``next_power_of_2(H)`` block: they store ``u`` chunk by chunk, and a chunk's stores would
+    come before the next chunk's loads, which the compiler may not move above them (the pointers may
+    alias), so the row's loads would no longer be in flight together.
+
+    Measured on the H200 at H = 5,376 (``benchmarks/bench_ops.py --sweep``, docs/BENCHMARKS.md, run 8):
+    A at T = 15,808 87.7 us chunked against 88.7 us as one block; B 198.6 us chunked against 166.9 us.
+    One row per program; 4 warps for the norm sites, 8 for site C. Also measured and slower: unmasked
+    power-of-two pieces with a reduction each, two rows per program, 16 warps, programs that loop over
+    rows loading the next row's activations first, the table rows loaded before the norm's reduction,
+    and evict-first/evict-last cache hints.
     """
     padded = triton.next_power_of_2(int(hidden))  # H is a constexpr: specialised, never symbolic
     if padded > MAX_BLOCK_H:
@@ -215,7 +220,7 @@ def launch_config(hidden: int, has_norm: bool) -> LaunchConfig:
     block_t = max(1, 2048 // padded)
     per_thread = 64 if has_norm else 32
     num_warps = max(1, min(16, block_t * padded // (32 * per_thread)))
-    chunk = min(padded, max(1, 32 * num_warps * 8 // block_t))
+    chunk = padded if has_gate else min(padded, max(1, 32 * num_warps * 8 // block_t))
     return LaunchConfig(block_t, chunk, num_warps)
 
 
@@ -239,7 +244,7 @@ def launch_modulation(a: ModulationArgs, u: torch.Tensor | None, y: torch.Tensor
 
     Arguments a site does not use are passed as an alias of one it does; the kernel never reads them.
     """
-    config = launch_config(a.hidden, a.scale is not None)
+    config = launch_config(a.hidden, a.gate is not None, a.scale is not None)
     rows_alias = a.x if a.x is not None else a.residual
     table_alias = a.gate if a.gate is not None else a.scale
 
