@@ -62,11 +62,15 @@ def test_in_compiled_graph_obeys_the_policy():
     assert torch.equal(u, ref_u) and _diff(y, ref_y) <= 1e-5
 
 
-def test_out_of_range_index_traps_with_a_message():
+@pytest.mark.parametrize("compiled", [False, True], ids=["bare", "in_compiled_graph"])
+def test_out_of_range_index_traps_with_a_message(compiled):
+    """Bare, the kernel is built with ``debug=True``; inlined by Inductor, its launcher compiles user
+    kernels with ``debug = assert_indirect_indexing`` (default on): both keep the device assertion."""
+    call = "torch.compile(fused_site('A', 'bf16'))" if compiled else "fused_site('A', 'bf16')"
     code = (
         "import torch, sys; sys.path.insert(0, 'benchmarks'); from sites import make_inputs, fused_site\n"
         "inp = make_inputs('A', 64); inp['index'][17] = 6\n"
-        "fused_site('A', 'bf16')(**inp); torch.cuda.synchronize()\n"
+        f"{call}(**inp); torch.cuda.synchronize()\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                           cwd=os.path.join(os.path.dirname(__file__), ".."))
