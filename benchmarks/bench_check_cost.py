@@ -26,7 +26,8 @@ from sites import SITES, kernel_launch, make_inputs  # noqa: E402
 
 
 class WithoutIndexCheck:
-    """A ``wrap`` for ``launch_modulation`` that compiles the kernel with ``debug=False`` (no assertion)."""
+    """A ``wrap`` for ``launch_modulation`` that compiles the kernel with ``debug=False``: no index
+    assertion, and none of the int32 overflow checks Triton adds in debug mode."""
 
     def __init__(self, kernel):
         self.kernel = kernel

@@ -11,9 +11,9 @@ Every variant is timed twice: ``ms``, ``do_bench`` as a user calls it (host over
 ``ms_graph``, the call replayed in a CUDA graph after an L2 flush, minus the flush (device time, no
 host overhead); ``roof_share`` uses ``ms_graph``. Each site and T also times ``copy_same_bytes``, a
 copy of the site's minimal bytes: what a pure stream of that size reaches (small T pays ramp-up and
-tail as the kernels do). ``--sweep`` times the ``bf16`` kernel the same way
-at every T over launch configurations (``sweep_configs``) and prints registers and spills of each, next
-to a copy of the same bytes.
+tail as the kernels do). ``--sweep`` (or ``--sweep-only``) times the kernel the same way at every T
+over launch configurations (``sweep_configs``), under each of ``--sweep-policies``, and prints
+registers and spills of each.
 """
 
 from __future__ import annotations

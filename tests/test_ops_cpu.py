@@ -237,12 +237,17 @@ print("interpreted kernel OK")
 """
 
 
-def test_triton_kernel_logic_under_the_interpreter():
+def run_interpreted(script: str) -> str:
+    """``script`` in a fresh process under ``TRITON_INTERPRET=1``; its stdout, after it exits 0."""
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-c", INTERPRETED], env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "interpreted kernel OK" in proc.stdout
+    return proc.stdout
+
+
+def test_triton_kernel_logic_under_the_interpreter():
+    assert "interpreted kernel OK" in run_interpreted(INTERPRETED)
 
 
 CHUNKED = r"""
@@ -280,8 +285,4 @@ print("chunked rows OK")
 
 def test_rows_read_in_chunks_under_the_interpreter():
     """The chunked path (only the last chunk masked) on a small H, forced by a small chunk width."""
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-c", CHUNKED], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "chunked rows OK" in proc.stdout
+    assert "chunked rows OK" in run_interpreted(CHUNKED)
