@@ -86,39 +86,43 @@ def _rsqrt(v, PORTABLE: tl.constexpr):
 
 @triton.jit
 def _chunk(c: tl.constexpr, row_ok, CHUNK: tl.constexpr, HIDDEN: tl.constexpr):
-    """Columns of chunk ``c`` of the row and the load/store mask (a column test only in the chunk that
-    crosses ``H``)."""
-    cols = c * CHUNK + tl.arange(0, CHUNK)
-    mask = row_ok[:, None] & (cols < HIDDEN)[None, :] if (c + 1) * CHUNK > HIDDEN else row_ok[:, None]
-    return cols, mask
+    """The lanes of chunk ``c`` (its columns are ``c * CHUNK + lanes``) and the load/store mask (a column
+    test only in the chunk that crosses ``H``).
+
+    Column offsets are added to pointers, never to int32 tensors: with ``debug=True`` (which keeps the
+    index assertion) Triton checks every int32 add for overflow, each with an assertion and a barrier.
+    """
+    lanes = tl.arange(0, CHUNK)
+    mask = row_ok[:, None] & (lanes < HIDDEN - c * CHUNK)[None, :] if (c + 1) * CHUNK > HIDDEN else row_ok[:, None]
+    return lanes, mask
 
 
 @triton.jit
 def _new_residual(
-    x_ptr, res_ptr, branch_ptr, gate_ptr, u_ptr, rows, idx, zero, cols, mask,
+    x_ptr, res_ptr, branch_ptr, gate_ptr, u_ptr, rows, idx, zero, start: tl.constexpr, lanes, mask,
     stride_x, stride_res, stride_branch, stride_gate,
     HIDDEN: tl.constexpr, HAS_GATE: tl.constexpr, ROUND_GATE: tl.constexpr, PORTABLE: tl.constexpr,
 ):
-    """One chunk of ``u`` (fp32): the gated residual, stored (sites B, C), or the loaded ``x`` (site A)."""
+    """One chunk of ``u`` (fp32): the gated residual (sites B, C; stored by the caller), or the loaded ``x``."""
     if HAS_GATE:
         act: tl.constexpr = u_ptr.dtype.element_ty
-        res = tl.load(res_ptr + rows[:, None] * stride_res + cols[None, :], mask=mask, other=0.0)
-        branch = tl.load(branch_ptr + rows[:, None] * stride_branch + cols[None, :], mask=mask, other=0.0)
-        gate = tl.load(gate_ptr + idx[:, None] * stride_gate + cols[None, :], mask=mask, other=0.0)
+        res = tl.load(res_ptr + rows[:, None] * stride_res + start + lanes[None, :], mask=mask, other=0.0)
+        branch = tl.load(branch_ptr + rows[:, None] * stride_branch + start + lanes[None, :], mask=mask, other=0.0)
+        gate = tl.load(gate_ptr + idx[:, None] * stride_gate + start + lanes[None, :], mask=mask, other=0.0)
         if ROUND_GATE:
             g = _rounded_product(gate.to(tl.float32), branch.to(tl.float32), zero, act, PORTABLE)
         else:
             g = _mul_rn(gate.to(tl.float32), branch.to(tl.float32), zero)
         u = _rounded(res.to(tl.float32) + g, act, PORTABLE)
-        tl.store(u_ptr + rows[:, None] * HIDDEN + cols[None, :], u.to(act), mask=mask)
     else:
-        u = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(x_ptr + rows[:, None] * stride_x + start + lanes[None, :], mask=mask, other=0.0).to(tl.float32)
     return u
 
 
 @triton.jit
 def _modulated(
-    u, r, w_ptr, shift_ptr, scale_ptr, y_ptr, rows, idx, zero, cols, mask, stride_shift, stride_scale,
+    u, r, w_ptr, shift_ptr, scale_ptr, y_ptr, rows, idx, zero, start: tl.constexpr, lanes, mask,
+    stride_shift, stride_scale,
     HIDDEN: tl.constexpr, HAS_WEIGHT: tl.constexpr, ROUND_NORM: tl.constexpr,
     ROUND_NORM_BEFORE_WEIGHT: tl.constexpr, ROUND_AFFINE: tl.constexpr, FUSE_AFFINE: tl.constexpr,
     PORTABLE: tl.constexpr,
@@ -127,25 +131,26 @@ def _modulated(
     act: tl.constexpr = y_ptr.dtype.element_ty
     n = u * r[:, None]
     if HAS_WEIGHT:
-        w = tl.load(w_ptr + cols, mask=cols < HIDDEN, other=0.0).to(tl.float32)
+        # loaded as a [1, CHUNK] row, in the layout of the activations (a 1-D load would be converted
+        # through shared memory, with barriers, in every chunk)
+        w = tl.load(w_ptr + start + lanes[None, :], mask=(lanes < HIDDEN - start)[None, :], other=0.0).to(tl.float32)
         if ROUND_NORM_BEFORE_WEIGHT:
             n = _rounded(n, act, PORTABLE)
-        n = n * w[None, :]
+        n = n * w
     if ROUND_NORM:
         n = _rounded(n, act, PORTABLE)
-    scale = tl.load(scale_ptr + idx[:, None] * stride_scale + cols[None, :], mask=mask, other=0.0)
-    shift = tl.load(shift_ptr + idx[:, None] * stride_shift + cols[None, :], mask=mask, other=0.0)
+    scale = tl.load(scale_ptr + idx[:, None] * stride_scale + start + lanes[None, :], mask=mask, other=0.0)
+    shift = tl.load(shift_ptr + idx[:, None] * stride_shift + start + lanes[None, :], mask=mask, other=0.0)
     p = 1.0 + scale.to(tl.float32)
     if ROUND_AFFINE:
         p = _rounded(p, act, PORTABLE)
-    if FUSE_AFFINE:
-        q = n * p
+    if FUSE_AFFINE:  # explicit, whatever Triton's default for contracting multiply-adds
+        y = tl.fma(n, p, shift.to(tl.float32))
     elif ROUND_AFFINE:
-        q = _rounded_product(n, p, zero, act, PORTABLE)
+        y = _rounded_product(n, p, zero, act, PORTABLE) + shift.to(tl.float32)
     else:
-        q = _mul_rn(n, p, zero)
-    y = q + shift.to(tl.float32)
-    tl.store(y_ptr + rows[:, None] * HIDDEN + cols[None, :], _rounded(y, act, PORTABLE).to(act), mask=mask)
+        y = _mul_rn(n, p, zero) + shift.to(tl.float32)
+    tl.store(y_ptr + rows[:, None] * HIDDEN + start + lanes[None, :], _rounded(y, act, PORTABLE).to(act), mask=mask)
 
 
 @triton.jit(debug=True)
@@ -169,12 +174,16 @@ def modulation_kernel(
     kept = ()  # the row's chunks of u, in the activation dtype (exact: u is rounded to it or loaded in it)
     squares = tl.zeros([BLOCK_T, CHUNK], tl.float32)
     for c in tl.static_range(triton.cdiv(HIDDEN, CHUNK)):
-        cols, mask = _chunk(c, row_ok, CHUNK, HIDDEN)
-        u = _new_residual(x_ptr, res_ptr, branch_ptr, gate_ptr, u_ptr, rows, idx, zero, cols, mask,
+        lanes, mask = _chunk(c, row_ok, CHUNK, HIDDEN)
+        u = _new_residual(x_ptr, res_ptr, branch_ptr, gate_ptr, u_ptr, rows, idx, zero, c * CHUNK, lanes, mask,
                           stride_x, stride_res, stride_branch, stride_gate, HIDDEN, HAS_GATE, ROUND_GATE, PORTABLE)
         if HAS_NORM:
             squares += u * u
-            kept = kept + (u.to(act),)
+        kept = kept + (u.to(act),)
+    if HAS_GATE:  # after every chunk's loads: a store may alias them, so no load could move above it
+        for c in tl.static_range(triton.cdiv(HIDDEN, CHUNK)):
+            lanes, mask = _chunk(c, row_ok, CHUNK, HIDDEN)
+            tl.store(u_ptr + rows[:, None] * HIDDEN + c * CHUNK + lanes[None, :], kept[c], mask=mask)
     # after the activation loads: a load may not move above the assertion's call, which would otherwise
     # hold the row's loads until the index arrives (measured: 5-6% of site A at T >= 15,808)
     tl.device_assert(~bad, "h3_fused: index out of range [0, K)")
@@ -183,8 +192,9 @@ def modulation_kernel(
         mean_square = tl.sum(squares, axis=1) * tl.cast(1.0 / HIDDEN, tl.float32)
         r = _rsqrt(mean_square + tl.cast(eps, tl.float32), PORTABLE)
         for c in tl.static_range(triton.cdiv(HIDDEN, CHUNK)):
-            cols, mask = _chunk(c, row_ok, CHUNK, HIDDEN)
-            _modulated(kept[c].to(tl.float32), r, w_ptr, shift_ptr, scale_ptr, y_ptr, rows, idx, zero, cols, mask,
+            lanes, mask = _chunk(c, row_ok, CHUNK, HIDDEN)
+            _modulated(kept[c].to(tl.float32), r, w_ptr, shift_ptr, scale_ptr, y_ptr, rows, idx, zero, c * CHUNK, lanes,
+                       mask,
                        stride_shift, stride_scale, HIDDEN, HAS_WEIGHT, ROUND_NORM, ROUND_NORM_BEFORE_WEIGHT,
                        ROUND_AFFINE, FUSE_AFFINE, PORTABLE)
 
@@ -198,21 +208,17 @@ class LaunchConfig:
     num_warps: int
 
 
-def launch_config(hidden: int, has_gate: bool, has_norm: bool) -> LaunchConfig:
-    """Whole rows in registers, at least 2K elements per program.
+def launch_config(hidden: int, has_norm: bool) -> LaunchConfig:
+    """Whole rows in registers, at least 2K elements per program, read in chunks of one 16-byte vector
+    per thread (8 bf16), so that only the last chunk pads ``H`` (5,376 = 6 chunks of 1,024 on 4 warps).
 
-    Site A reads its rows in chunks of one 16-byte vector per thread (8 bf16), so only the last chunk
-    pads ``H`` (5,376 = 6 chunks of 1,024) and fewer registers hold a row. Sites B and C read the row
-    as one ``next_power_of_2(H)`` block: they store ``u`` chunk by chunk, and a chunk's stores would
-    come before the next chunk's loads, which the compiler may not move above them (the pointers may
-    alias), so the row's loads would no longer be in flight together.
-
-    Measured on the H200 at H = 5,376 (``benchmarks/bench_ops.py --sweep``, docs/BENCHMARKS.md, run 8):
-    A at T = 15,808 87.7 us chunked against 88.7 us as one block; B 198.6 us chunked against 166.9 us.
-    One row per program; 4 warps for the norm sites, 8 for site C. Also measured and slower: unmasked
-    power-of-two pieces with a reduction each, two rows per program, 16 warps, programs that loop over
-    rows loading the next row's activations first, the table rows loaded before the norm's reduction,
-    and evict-first/evict-last cache hints.
+    Every chunk's loads come before the first store of ``u`` (a store may alias a later load, which
+    the compiler would then not move above it). Measured on the H200 at H = 5,376 (run 8, before the
+    stores were deferred): A chunked 87.7 us against 88.7 us as one block at T = 15,808. One row per
+    program; 4 warps for the norm sites, 8 for site C. Also measured and slower: unmasked power-of-two
+    pieces with a reduction each, two rows per program, 16 warps, programs that loop over rows loading
+    the next row's activations first, the table rows loaded before the norm's reduction, and
+    evict-first/evict-last cache hints.
     """
     padded = triton.next_power_of_2(int(hidden))  # H is a constexpr: specialised, never symbolic
     if padded > MAX_BLOCK_H:
@@ -220,7 +226,7 @@ def launch_config(hidden: int, has_gate: bool, has_norm: bool) -> LaunchConfig:
     block_t = max(1, 2048 // padded)
     per_thread = 64 if has_norm else 32
     num_warps = max(1, min(16, block_t * padded // (32 * per_thread)))
-    chunk = padded if has_gate else min(padded, max(1, 32 * num_warps * 8 // block_t))
+    chunk = min(padded, max(1, 32 * num_warps * 8 // block_t))
     return LaunchConfig(block_t, chunk, num_warps)
 
 
@@ -244,7 +250,7 @@ def launch_modulation(a: ModulationArgs, u: torch.Tensor | None, y: torch.Tensor
 
     Arguments a site does not use are passed as an alias of one it does; the kernel never reads them.
     """
-    config = launch_config(a.hidden, a.gate is not None, a.scale is not None)
+    config = launch_config(a.hidden, a.scale is not None)
     rows_alias = a.x if a.x is not None else a.residual
     table_alias = a.gate if a.gate is not None else a.scale
 

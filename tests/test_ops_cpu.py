@@ -258,7 +258,7 @@ from h3_fused.kernels.contract import check_args
 from h3_fused.kernels.reference import reference_modulation
 torch.manual_seed(1)
 # rows read in 32-column chunks: H = 101 is four chunks, the last one 5 columns wide
-tm.launch_config = lambda hidden, has_gate, has_norm: tm.LaunchConfig(1, 32, 1)
+tm.launch_config = lambda hidden, has_norm: tm.LaunchConfig(1, 32, 1)
 hidden, tokens = 101, 9
 for policy in ("bf16", "fp32"):
     x = torch.randn(tokens, hidden).to(torch.bfloat16)
