@@ -110,11 +110,12 @@ def run(args) -> list[dict]:
 
 def sweep_configs():
     """The launch configurations the sweep times: warps x chunk width (8192 = the row as one padded
-    block), one row per program (two rows per program and 16 warps lost everywhere in run 2)."""
+    block) x where the y stores go, one row per program (two rows per program and 16 warps lost
+    everywhere in run 2)."""
     from h3_fused.kernels.triton_modulation import LaunchConfig
 
-    for warps, chunk in itertools.product((4, 8), (1024, 2048, triton.next_power_of_2(HIDDEN))):
-        yield LaunchConfig(1, chunk, warps)
+    for warps, chunk, defer in itertools.product((4, 8), (1024, 2048, triton.next_power_of_2(HIDDEN)), (False, True)):
+        yield LaunchConfig(1, chunk, warps, defer)
 
 
 def sweep(site, tokens, inputs, nbytes, roof, policies) -> list[dict]:
@@ -130,7 +131,8 @@ def sweep(site, tokens, inputs, nbytes, roof, policies) -> list[dict]:
                 compiled = launch()
                 ms = graph_ms(launch)
                 gbs = nbytes / ms / 1e6
-                name = f"sweep_w{config.num_warps}_chunk{config.chunk}" + ("_fp32" if policy == "fp32" else "")
+                name = (f"sweep_w{config.num_warps}_chunk{config.chunk}" + "_defer" * config.defer_y_stores
+                        + ("_fp32" if policy == "fp32" else ""))
                 rows.append(dict(site=site, T=tokens, variant=name, policy=policy, ms=ms, gbs=gbs, roof_gbs=roof,
                                  roof_share=gbs / roof, mismatch=None, regs=compiled.n_regs,
                                  spills=compiled.n_spills))

@@ -121,13 +121,14 @@ def _new_residual(
 
 @triton.jit
 def _modulated(
-    u, r, w_ptr, shift_ptr, scale_ptr, y_ptr, rows, idx, zero, start: tl.constexpr, lanes, mask,
+    u, r, w_ptr, shift_ptr, scale_ptr, y_ptr, idx, zero, start: tl.constexpr, lanes, mask,
     stride_shift, stride_scale,
     HIDDEN: tl.constexpr, HAS_WEIGHT: tl.constexpr, ROUND_NORM: tl.constexpr,
     ROUND_NORM_BEFORE_WEIGHT: tl.constexpr, ROUND_AFFINE: tl.constexpr, FUSE_AFFINE: tl.constexpr,
     PORTABLE: tl.constexpr,
 ):
-    """One chunk of ``y = R(R(norm(u)) * R(1 + scale[i]) + shift[i])`` (roundings as the flags say), stored."""
+    """One chunk of ``y = R(R(norm(u)) * R(1 + scale[i]) + shift[i])`` (roundings as the flags say), returned
+    in the activation dtype (the caller stores it after every chunk's table loads)."""
     act: tl.constexpr = y_ptr.dtype.element_ty
     n = u * r[:, None]
     if HAS_WEIGHT:
@@ -150,7 +151,7 @@ def _modulated(
         y = _rounded_product(n, p, zero, act, PORTABLE) + shift.to(tl.float32)
     else:
         y = _mul_rn(n, p, zero) + shift.to(tl.float32)
-    tl.store(y_ptr + rows[:, None] * HIDDEN + start + lanes[None, :], _rounded(y, act, PORTABLE).to(act), mask=mask)
+    return _rounded(y, act, PORTABLE).to(act)
 
 
 @triton.jit(debug=True)
@@ -161,7 +162,7 @@ def modulation_kernel(
     HIDDEN: tl.constexpr, HAS_GATE: tl.constexpr, HAS_NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr,
     ROUND_GATE: tl.constexpr, ROUND_NORM: tl.constexpr, ROUND_NORM_BEFORE_WEIGHT: tl.constexpr,
     ROUND_AFFINE: tl.constexpr, FUSE_AFFINE: tl.constexpr, PORTABLE: tl.constexpr, BLOCK_T: tl.constexpr,
-    CHUNK: tl.constexpr,
+    CHUNK: tl.constexpr, DEFER_Y_STORES: tl.constexpr,
 ):
     act: tl.constexpr = u_ptr.dtype.element_ty
     rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -191,12 +192,20 @@ def modulation_kernel(
         # fp32 constants and scalars (Inductor may pass eps as a constexpr float, which computes in fp64)
         mean_square = tl.sum(squares, axis=1) * tl.cast(1.0 / HIDDEN, tl.float32)
         r = _rsqrt(mean_square + tl.cast(eps, tl.float32), PORTABLE)
+        outputs = ()
         for c in tl.static_range(triton.cdiv(HIDDEN, CHUNK)):
             lanes, mask = _chunk(c, row_ok, CHUNK, HIDDEN)
-            _modulated(kept[c].to(tl.float32), r, w_ptr, shift_ptr, scale_ptr, y_ptr, rows, idx, zero, c * CHUNK, lanes,
-                       mask,
-                       stride_shift, stride_scale, HIDDEN, HAS_WEIGHT, ROUND_NORM, ROUND_NORM_BEFORE_WEIGHT,
-                       ROUND_AFFINE, FUSE_AFFINE, PORTABLE)
+            y = _modulated(kept[c].to(tl.float32), r, w_ptr, shift_ptr, scale_ptr, y_ptr, idx, zero, c * CHUNK, lanes,
+                           mask, stride_shift, stride_scale, HIDDEN, HAS_WEIGHT, ROUND_NORM, ROUND_NORM_BEFORE_WEIGHT,
+                           ROUND_AFFINE, FUSE_AFFINE, PORTABLE)
+            if DEFER_Y_STORES:
+                outputs = outputs + (y,)
+            else:
+                tl.store(y_ptr + rows[:, None] * HIDDEN + c * CHUNK + lanes[None, :], y, mask=mask)
+        if DEFER_Y_STORES:  # after every chunk's table loads, as for u (more registers: y waits in them)
+            for c in tl.static_range(triton.cdiv(HIDDEN, CHUNK)):
+                lanes, mask = _chunk(c, row_ok, CHUNK, HIDDEN)
+                tl.store(y_ptr + rows[:, None] * HIDDEN + c * CHUNK + lanes[None, :], outputs[c], mask=mask)
 
 
 @dataclass(frozen=True)
@@ -206,6 +215,7 @@ class LaunchConfig:
     block_t: int
     chunk: int
     num_warps: int
+    defer_y_stores: bool = False
 
 
 def launch_config(hidden: int, has_norm: bool) -> LaunchConfig:
@@ -238,6 +248,7 @@ def specialisation(hidden: int, has_gate: bool, has_norm: bool, has_weight: bool
         ROUND_GATE=rounding.gate_product, ROUND_NORM=rounding.norm_output,
         ROUND_NORM_BEFORE_WEIGHT=rounding.norm_before_weight, ROUND_AFFINE=rounding.affine,
         FUSE_AFFINE=rounding.fused_affine, PORTABLE=portable, BLOCK_T=config.block_t, CHUNK=config.chunk,
+        DEFER_Y_STORES=config.defer_y_stores,
     )
 
 
