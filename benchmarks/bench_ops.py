@@ -109,13 +109,15 @@ def run(args) -> list[dict]:
 
 
 def sweep_configs():
-    """The launch configurations the sweep times: warps x chunk width (8192 = the row as one padded
-    block) x where the y stores go, one row per program (two rows per program and 16 warps lost
-    everywhere in run 2)."""
+    """The launch configurations the sweep times, one row per program: 1 to 8 warps reading the row in
+    chunks of one 16-byte vector per thread, and 4 and 8 warps reading it as one padded block. Two rows
+    per program and 16 warps lost everywhere in run 2; storing every chunk's ``y`` after the last table
+    load lost or tied everywhere in run 13."""
     from h3_fused.kernels.triton_modulation import LaunchConfig
 
-    for warps, chunk, defer in itertools.product((4, 8), (1024, 2048, triton.next_power_of_2(HIDDEN)), (False, True)):
-        yield LaunchConfig(1, chunk, warps, defer)
+    padded = triton.next_power_of_2(HIDDEN)
+    for warps, chunk in [(w, 32 * w * 8) for w in (1, 2, 4, 8)] + [(4, padded), (8, padded)]:
+        yield LaunchConfig(1, chunk, warps)
 
 
 def sweep(site, tokens, inputs, nbytes, roof, policies) -> list[dict]:
@@ -127,11 +129,11 @@ def sweep(site, tokens, inputs, nbytes, roof, policies) -> list[dict]:
         for policy in policies:
             launch = kernel_launch(site, inputs, policy)
             for config in sweep_configs():
-                tm.launch_config = lambda h, has_norm, c=config: c
+                tm.launch_config = lambda h, has_gate, c=config: c
                 compiled = launch()
                 ms = graph_ms(launch)
                 gbs = nbytes / ms / 1e6
-                name = (f"sweep_w{config.num_warps}_chunk{config.chunk}" + "_defer" * config.defer_y_stores
+                name = (f"sweep_w{config.num_warps}_chunk{config.chunk}"
                         + ("_fp32" if policy == "fp32" else ""))
                 rows.append(dict(site=site, T=tokens, variant=name, policy=policy, ms=ms, gbs=gbs, roof_gbs=roof,
                                  roof_share=gbs / roof, mismatch=None, regs=compiled.n_regs,

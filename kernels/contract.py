@@ -28,16 +28,17 @@ class Rounding:
     norm_output: ``n = R_A(norm(u))`` (the norm returns the activation dtype).
     norm_before_weight: ``n = R_A(R_A(u * r) * w)`` (the native RMSNorm) instead of ``R_A(u * r * w)``.
     affine: ``p = R_A(1 + scale[idx])``, ``q = R_A(n * p)`` (bf16/fp16 modulation tables).
-    fused_affine: ``n * p + shift[idx]`` may be one fused multiply-add, without the fp32 rounding of the
-    product (``fp32`` only, as the upstream fp32 kernels compile it). The gate product is never fused:
-    a bf16 x bf16 product is exact in fp32, so fusing it would change no stored residual.
+    fused_multiply_add: ``res + gate[idx] * branch`` and ``n * p + shift[idx]`` may each be one fused
+    multiply-add, without the fp32 rounding of the product (``fp32`` only, as the upstream fp32 kernels
+    compile them). For a bf16/fp16 gate and branch the product is exact in fp32, so the FMA stores the
+    same residual unless the product overflows or leaves fp32's normal range.
     """
 
     gate_product: bool
     norm_output: bool
     norm_before_weight: bool
     affine: bool
-    fused_affine: bool = False
+    fused_multiply_add: bool = False
 
 
 def rounding_for(policy: str, activation: torch.dtype, gate_table: torch.dtype | None,
@@ -45,7 +46,7 @@ def rounding_for(policy: str, activation: torch.dtype, gate_table: torch.dtype |
                  upcast_tables: bool) -> Rounding:
     """The rounding points of the eager graph under ``bf16``; only the stored ones under ``fp32``."""
     if policy == "fp32":
-        return Rounding(False, False, False, False, fused_affine=True)
+        return Rounding(False, False, False, False, fused_multiply_add=True)
     if activation == torch.float32:
         return Rounding(False, False, False, False)
 

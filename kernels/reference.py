@@ -42,9 +42,9 @@ def rms_norm(u: torch.Tensor, a: ModulationArgs) -> torch.Tensor:
 def modulate(n: torch.Tensor, a: ModulationArgs) -> torch.Tensor:
     """``y = R_A([R_A](n * [R_A](1 + scale[idx])) + shift[idx])`` in the activation dtype.
 
-    Under ``fp32`` (``Rounding.fused_affine``) the CUDA kernel computes ``n * p + shift`` as one FMA;
-    this reference rounds the product to fp32 first, so the two can differ by a last-bit flip of the
-    output, each within the policy."""
+    Under ``fp32`` (``Rounding.fused_multiply_add``) the CUDA kernel computes ``n * p + shift`` (and
+    ``res + gate * branch``) as one FMA; this reference rounds the products to fp32 first, so the two can
+    differ by a last-bit flip of the output, each within the policy."""
     idx = a.index.long()
     one_plus = _round(1.0 + a.scale.index_select(0, idx).to(f32), a.dtype, a.rounding.affine)
     product = _round(n * one_plus, a.dtype, a.rounding.affine)

@@ -3,13 +3,13 @@
 Per row ``t`` (``i = index[t]``, all arithmetic in fp32, ``R`` = round to the activation dtype):
 
     site B/C:  g = gate[i] * branch            (R if ROUND_GATE)
-               u = R(residual + g)             -> stored (B, C)
+               u = R(residual + g)             -> stored (B, C; fused with the product if FUSE_MULTIPLY_ADD)
     site A:    u = x
     site A/B:  r = rsqrt(sum(u*u) * (1/H) + eps)
                n = u * r                       (R if ROUND_NORM_BEFORE_WEIGHT, then * w if HAS_WEIGHT)
                n = R(n) if ROUND_NORM
                p = 1 + scale[i]                (R if ROUND_AFFINE)
-               q = n * p                       (R if ROUND_AFFINE; fused with the add if FUSE_AFFINE)
+               q = n * p                       (R if ROUND_AFFINE; fused with the add if FUSE_MULTIPLY_ADD)
                y = R(q + shift[i])             -> stored (A, B)
 
 Each program holds ``BLOCK_T`` whole rows in registers, read in chunks of ``CHUNK`` columns; the chunks
@@ -17,8 +17,8 @@ of ``u`` stay in registers (in the activation dtype) from the sum of squares to 
 (``launch_config`` says why these sizes).
 
 Multiplies feeding an add are never contracted into an FMA (which would remove the fp32 rounding
-eager performs), except ``n * p + shift`` under the ``fp32`` policy (``FUSE_AFFINE``), as the upstream
-fp32 kernels compile it. Under the interpreter (``PORTABLE``) rounding to bf16 is done on the bits, since the
+eager performs), except under the ``fp32`` policy (``FUSE_MULTIPLY_ADD``: ``residual + g`` and
+``q + shift`` are each one FMA), as the upstream fp32 kernels compile them. Under the interpreter (``PORTABLE``) rounding to bf16 is done on the bits, since the
 interpreter truncates conversions. An out-of-range index never reads out of bounds (it is clamped for
 the loads) and fails a device-side assertion: the kernel is compiled with ``debug=True`` for direct
 launches, and Inductor compiles it with assertions on (``assert_indirect_indexing``, its default).
@@ -101,7 +101,8 @@ def _chunk(c: tl.constexpr, row_ok, CHUNK: tl.constexpr, HIDDEN: tl.constexpr):
 def _new_residual(
     x_ptr, res_ptr, branch_ptr, gate_ptr, u_ptr, rows, idx, zero, start: tl.constexpr, lanes, mask,
     stride_x, stride_res, stride_branch, stride_gate,
-    HIDDEN: tl.constexpr, HAS_GATE: tl.constexpr, ROUND_GATE: tl.constexpr, PORTABLE: tl.constexpr,
+    HIDDEN: tl.constexpr, HAS_GATE: tl.constexpr, ROUND_GATE: tl.constexpr, FUSE_MULTIPLY_ADD: tl.constexpr,
+    PORTABLE: tl.constexpr,
 ):
     """One chunk of ``u`` (fp32): the gated residual (sites B, C; stored by the caller), or the loaded ``x``."""
     if HAS_GATE:
@@ -109,11 +110,13 @@ def _new_residual(
         res = tl.load(res_ptr + rows[:, None] * stride_res + start + lanes[None, :], mask=mask, other=0.0)
         branch = tl.load(branch_ptr + rows[:, None] * stride_branch + start + lanes[None, :], mask=mask, other=0.0)
         gate = tl.load(gate_ptr + idx[:, None] * stride_gate + start + lanes[None, :], mask=mask, other=0.0)
-        if ROUND_GATE:
-            g = _rounded_product(gate.to(tl.float32), branch.to(tl.float32), zero, act, PORTABLE)
+        if FUSE_MULTIPLY_ADD:  # explicit, whatever Triton's default for contracting multiply-adds
+            u = tl.fma(gate.to(tl.float32), branch.to(tl.float32), res.to(tl.float32))
+        elif ROUND_GATE:
+            u = res.to(tl.float32) + _rounded_product(gate.to(tl.float32), branch.to(tl.float32), zero, act, PORTABLE)
         else:
-            g = _mul_rn(gate.to(tl.float32), branch.to(tl.float32), zero)
-        u = _rounded(res.to(tl.float32) + g, act, PORTABLE)
+            u = res.to(tl.float32) + _mul_rn(gate.to(tl.float32), branch.to(tl.float32), zero)
+        u = _rounded(u, act, PORTABLE)
     else:
         u = tl.load(x_ptr + rows[:, None] * stride_x + start + lanes[None, :], mask=mask, other=0.0).to(tl.float32)
     return u
@@ -124,11 +127,11 @@ def _modulated(
     u, r, w_ptr, shift_ptr, scale_ptr, y_ptr, idx, zero, start: tl.constexpr, lanes, mask,
     stride_shift, stride_scale,
     HIDDEN: tl.constexpr, HAS_WEIGHT: tl.constexpr, ROUND_NORM: tl.constexpr,
-    ROUND_NORM_BEFORE_WEIGHT: tl.constexpr, ROUND_AFFINE: tl.constexpr, FUSE_AFFINE: tl.constexpr,
+    ROUND_NORM_BEFORE_WEIGHT: tl.constexpr, ROUND_AFFINE: tl.constexpr, FUSE_MULTIPLY_ADD: tl.constexpr,
     PORTABLE: tl.constexpr,
 ):
     """One chunk of ``y = R(R(norm(u)) * R(1 + scale[i]) + shift[i])`` (roundings as the flags say), returned
-    in the activation dtype (the caller stores it after every chunk's table loads)."""
+    in the activation dtype for the caller to store."""
     act: tl.constexpr = y_ptr.dtype.element_ty
     n = u * r[:, None]
     if HAS_WEIGHT:
@@ -145,7 +148,7 @@ def _modulated(
     p = 1.0 + scale.to(tl.float32)
     if ROUND_AFFINE:
         p = _rounded(p, act, PORTABLE)
-    if FUSE_AFFINE:  # explicit, whatever Triton's default for contracting multiply-adds
+    if FUSE_MULTIPLY_ADD:
         y = tl.fma(n, p, shift.to(tl.float32))
     elif ROUND_AFFINE:
         y = _rounded_product(n, p, zero, act, PORTABLE) + shift.to(tl.float32)
@@ -161,8 +164,8 @@ def modulation_kernel(
     stride_x, stride_res, stride_branch, stride_gate, stride_shift, stride_scale,
     HIDDEN: tl.constexpr, HAS_GATE: tl.constexpr, HAS_NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr,
     ROUND_GATE: tl.constexpr, ROUND_NORM: tl.constexpr, ROUND_NORM_BEFORE_WEIGHT: tl.constexpr,
-    ROUND_AFFINE: tl.constexpr, FUSE_AFFINE: tl.constexpr, PORTABLE: tl.constexpr, BLOCK_T: tl.constexpr,
-    CHUNK: tl.constexpr, DEFER_Y_STORES: tl.constexpr,
+    ROUND_AFFINE: tl.constexpr, FUSE_MULTIPLY_ADD: tl.constexpr, PORTABLE: tl.constexpr, BLOCK_T: tl.constexpr,
+    CHUNK: tl.constexpr,
 ):
     act: tl.constexpr = u_ptr.dtype.element_ty
     rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -177,7 +180,8 @@ def modulation_kernel(
     for c in tl.static_range(triton.cdiv(HIDDEN, CHUNK)):
         lanes, mask = _chunk(c, row_ok, CHUNK, HIDDEN)
         u = _new_residual(x_ptr, res_ptr, branch_ptr, gate_ptr, u_ptr, rows, idx, zero, c * CHUNK, lanes, mask,
-                          stride_x, stride_res, stride_branch, stride_gate, HIDDEN, HAS_GATE, ROUND_GATE, PORTABLE)
+                          stride_x, stride_res, stride_branch, stride_gate, HIDDEN, HAS_GATE, ROUND_GATE,
+                          FUSE_MULTIPLY_ADD, PORTABLE)
         if HAS_NORM:
             squares += u * u
         kept = kept + (u.to(act),)
@@ -192,20 +196,12 @@ def modulation_kernel(
         # fp32 constants and scalars (Inductor may pass eps as a constexpr float, which computes in fp64)
         mean_square = tl.sum(squares, axis=1) * tl.cast(1.0 / HIDDEN, tl.float32)
         r = _rsqrt(mean_square + tl.cast(eps, tl.float32), PORTABLE)
-        outputs = ()
         for c in tl.static_range(triton.cdiv(HIDDEN, CHUNK)):
             lanes, mask = _chunk(c, row_ok, CHUNK, HIDDEN)
             y = _modulated(kept[c].to(tl.float32), r, w_ptr, shift_ptr, scale_ptr, y_ptr, idx, zero, c * CHUNK, lanes,
                            mask, stride_shift, stride_scale, HIDDEN, HAS_WEIGHT, ROUND_NORM, ROUND_NORM_BEFORE_WEIGHT,
-                           ROUND_AFFINE, FUSE_AFFINE, PORTABLE)
-            if DEFER_Y_STORES:
-                outputs = outputs + (y,)
-            else:
-                tl.store(y_ptr + rows[:, None] * HIDDEN + c * CHUNK + lanes[None, :], y, mask=mask)
-        if DEFER_Y_STORES:  # after every chunk's table loads, as for u (more registers: y waits in them)
-            for c in tl.static_range(triton.cdiv(HIDDEN, CHUNK)):
-                lanes, mask = _chunk(c, row_ok, CHUNK, HIDDEN)
-                tl.store(y_ptr + rows[:, None] * HIDDEN + c * CHUNK + lanes[None, :], outputs[c], mask=mask)
+                           ROUND_AFFINE, FUSE_MULTIPLY_ADD, PORTABLE)
+            tl.store(y_ptr + rows[:, None] * HIDDEN + c * CHUNK + lanes[None, :], y, mask=mask)
 
 
 @dataclass(frozen=True)
@@ -215,26 +211,28 @@ class LaunchConfig:
     block_t: int
     chunk: int
     num_warps: int
-    defer_y_stores: bool = False
 
 
-def launch_config(hidden: int, has_norm: bool) -> LaunchConfig:
-    """Whole rows in registers, at least 2K elements per program, read in chunks of one 16-byte vector
-    per thread (8 bf16), so that only the last chunk pads ``H`` (5,376 = 6 chunks of 1,024 on 4 warps).
+def launch_config(hidden: int, has_gate: bool) -> LaunchConfig:
+    """Whole rows in registers, read in chunks of one 16-byte vector per thread (8 bf16), so that only
+    the last chunk pads ``H``: one row per program on 4 warps for site A, 8 warps for sites B and C (their
+    rows are three or four streams, A's two); rows shorter than the program's lanes share it.
 
-    Every chunk's loads come before the first store of ``u`` (a store may alias a later load, which
-    the compiler would then not move above it). Measured on the H200 at H = 5,376 (run 8, before the
-    stores were deferred): A chunked 87.7 us against 88.7 us as one block at T = 15,808. One row per
-    program; 4 warps for the norm sites, 8 for site C. Also measured and slower: unmasked power-of-two
-    pieces with a reduction each, two rows per program, 16 warps, programs that loop over rows loading
-    the next row's activations first, the table rows loaded before the norm's reduction, and
-    evict-first/evict-last cache hints.
+    Every chunk's loads come before the first store of ``u`` (a store may alias a later load, which the
+    compiler would then not move above it), and ``y`` is stored chunk by chunk. Measured on the H200 at
+    H = 5,376, T = 3,072 / 15,808 / 63,232 (``bench_ops.py --sweep``; docs/BENCHMARKS.md, run 13), bf16,
+    share of copy bandwidth: A on 4 warps 70.1 / 93.2 / 96.1% (8 warps 72.8 / 90.7 / 93.6%); B on 8
+    warps 84.5 / 95.1 / 97.4% (4 warps 80.9 / 94.0 / 96.7%); C on 8 warps 85.6 / 99.2 / 101.9%. Also
+    measured and slower: 1 and 2 warps, the row as one padded block, every ``y`` store after every table
+    load, two rows per program, 16 warps, programs that loop over rows loading the next row's
+    activations first, the table rows loaded before the norm's reduction, and evict-first/evict-last
+    cache hints.
     """
     padded = triton.next_power_of_2(int(hidden))  # H is a constexpr: specialised, never symbolic
     if padded > MAX_BLOCK_H:
         raise ValueError(f"H={hidden} exceeds the kernel's limit of {MAX_BLOCK_H}")
     block_t = max(1, 2048 // padded)
-    per_thread = 64 if has_norm else 32
+    per_thread = 32 if has_gate else 64
     num_warps = max(1, min(16, block_t * padded // (32 * per_thread)))
     chunk = min(padded, max(1, 32 * num_warps * 8 // block_t))
     return LaunchConfig(block_t, chunk, num_warps)
@@ -247,8 +245,7 @@ def specialisation(hidden: int, has_gate: bool, has_norm: bool, has_weight: bool
         HIDDEN=hidden, HAS_GATE=has_gate, HAS_NORM=has_norm, HAS_WEIGHT=has_weight,
         ROUND_GATE=rounding.gate_product, ROUND_NORM=rounding.norm_output,
         ROUND_NORM_BEFORE_WEIGHT=rounding.norm_before_weight, ROUND_AFFINE=rounding.affine,
-        FUSE_AFFINE=rounding.fused_affine, PORTABLE=portable, BLOCK_T=config.block_t, CHUNK=config.chunk,
-        DEFER_Y_STORES=config.defer_y_stores,
+        FUSE_MULTIPLY_ADD=rounding.fused_multiply_add, PORTABLE=portable, BLOCK_T=config.block_t, CHUNK=config.chunk,
     )
 
 
@@ -261,7 +258,7 @@ def launch_modulation(a: ModulationArgs, u: torch.Tensor | None, y: torch.Tensor
 
     Arguments a site does not use are passed as an alias of one it does; the kernel never reads them.
     """
-    config = launch_config(a.hidden, a.scale is not None)
+    config = launch_config(a.hidden, a.gate is not None)
     rows_alias = a.x if a.x is not None else a.residual
     table_alias = a.gate if a.gate is not None else a.scale
 
