@@ -104,11 +104,16 @@ def _new_residual(
     HIDDEN: tl.constexpr, HAS_GATE: tl.constexpr, ROUND_GATE: tl.constexpr, FUSE_MULTIPLY_ADD: tl.constexpr,
     PORTABLE: tl.constexpr,
 ):
-    """One chunk of ``u`` (fp32): the gated residual (sites B, C; stored by the caller), or the loaded ``x``."""
+    """One chunk of ``u`` (fp32): the gated residual (sites B, C; stored by the caller), or the loaded ``x``.
+
+    The activations are read once, so they bypass L1 (``.cg``), which then keeps the table rows that
+    every row of the program's SM reads again (measured: site A 0.6-0.9% faster, B and C unchanged)."""
     if HAS_GATE:
         act: tl.constexpr = u_ptr.dtype.element_ty
-        res = tl.load(res_ptr + rows[:, None] * stride_res + start + lanes[None, :], mask=mask, other=0.0)
-        branch = tl.load(branch_ptr + rows[:, None] * stride_branch + start + lanes[None, :], mask=mask, other=0.0)
+        res = tl.load(res_ptr + rows[:, None] * stride_res + start + lanes[None, :], mask=mask, other=0.0,
+                      cache_modifier=".cg")
+        branch = tl.load(branch_ptr + rows[:, None] * stride_branch + start + lanes[None, :], mask=mask, other=0.0,
+                         cache_modifier=".cg")
         gate = tl.load(gate_ptr + idx[:, None] * stride_gate + start + lanes[None, :], mask=mask, other=0.0)
         if FUSE_MULTIPLY_ADD:  # explicit, whatever Triton's default for contracting multiply-adds
             u = tl.fma(gate.to(tl.float32), branch.to(tl.float32), res.to(tl.float32))
@@ -118,7 +123,8 @@ def _new_residual(
             u = res.to(tl.float32) + _mul_rn(gate.to(tl.float32), branch.to(tl.float32), zero)
         u = _rounded(u, act, PORTABLE)
     else:
-        u = tl.load(x_ptr + rows[:, None] * stride_x + start + lanes[None, :], mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(x_ptr + rows[:, None] * stride_x + start + lanes[None, :], mask=mask, other=0.0,
+                    cache_modifier=".cg").to(tl.float32)
     return u
 
 
