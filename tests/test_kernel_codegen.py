@@ -4,7 +4,7 @@ Under ``bf16`` every product that eager rounds before an add must stay rounded. 
 ``R(a*b)`` and ``R(c + R(a*b))`` of bf16 values to bf16 arithmetic, and with contraction allowed it
 would fuse the pair into one ``fma.rn.bf16x2`` (a single rounding where eager has two): these tests
 hold the compiled PTX to no bf16 FMA at all (the rounded products are packed bf16 multiplies, kept
-apart from their adds), and to fp32 FMAs under ``fp32`` (where the affine may fuse).
+apart from their adds), and to fp32 FMAs under ``fp32`` (where the affine and the gated residual fuse).
 """
 
 from __future__ import annotations
@@ -31,8 +31,10 @@ def test_bf16_policy_never_fuses_a_product_into_an_add(site):
     assert not [op for op in ops if op.startswith("fma.") and "bf16" in op]
 
 
-def test_fp32_policy_fuses_the_affine_multiply_add():
-    assert not [op for op in ptx_ops("A", "fp32") if op.startswith("fma.") and "bf16" in op]
-    fp32_fmas = [op for op in ptx_ops("A", "fp32") if op == "fma.rn.f32"]
-    bf16_fmas = [op for op in ptx_ops("A", "bf16") if op == "fma.rn.f32"]
+@pytest.mark.parametrize("site", ["A", "C"], ids=["affine", "gated_residual"])
+def test_fp32_policy_fuses_its_multiply_adds(site):
+    """Under ``fp32`` ``n*p + shift`` (site A) and ``res + gate*branch`` (site C) are fp32 FMAs."""
+    assert not [op for op in ptx_ops(site, "fp32") if op.startswith("fma.") and "bf16" in op]
+    fp32_fmas = [op for op in ptx_ops(site, "fp32") if op == "fma.rn.f32"]
+    bf16_fmas = [op for op in ptx_ops(site, "bf16") if op == "fma.rn.f32"]
     assert len(fp32_fmas) > len(bf16_fmas)
