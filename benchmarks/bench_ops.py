@@ -19,7 +19,6 @@ registers and spills of each.
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 import sys
