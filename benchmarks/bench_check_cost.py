@@ -1,7 +1,11 @@
 """What the policy and the index check cost: the kernel under ``bf16``, under ``fp32``, and under
 ``bf16`` compiled without its device-side index assertion, timed in alternation.
 
-    python benchmarks/bench_check_cost.py --out benchmarks/results/check_cost.json
+    python benchmarks/bench_check_cost.py --out benchmarks/results/check_cost.json [--baseline FILE]
+
+``--baseline FILE`` (a ``kernels/triton_modulation.py`` of another commit, ``git show
+REV:kernels/triton_modulation.py > FILE``) adds that kernel under both policies to the alternation, and
+the change of this kernel against it: a kernel change measured side by side, in one process.
 
 Each site and T is timed in ``--rounds`` rounds, every round measuring the three kernels one after
 the other (device time under CUDA graphs after an L2 flush, as ``bench_ops.py``), so that drift of the
@@ -22,7 +26,7 @@ import triton
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_ops import HIDDEN, TOKENS, graph_ms  # noqa: E402
-from sites import SITES, kernel_launch, make_inputs  # noqa: E402
+from sites import SITES, kernel_launch, load_kernel_module, make_inputs  # noqa: E402
 
 
 class WithoutIndexCheck:
@@ -36,23 +40,31 @@ class WithoutIndexCheck:
         return lambda *args, **kwargs: self.kernel[grid](*args, debug=False, **kwargs)
 
 
-def launchers(site, inputs):
-    return {"bf16": kernel_launch(site, inputs, "bf16"), "fp32": kernel_launch(site, inputs, "fp32"),
+def launchers(site, inputs, baseline=None):
+    runs = {"bf16": kernel_launch(site, inputs, "bf16"), "fp32": kernel_launch(site, inputs, "fp32"),
             "bf16_no_index_check": kernel_launch(site, inputs, "bf16", WithoutIndexCheck)}
+    if baseline is not None:
+        runs |= {f"baseline_{policy}": kernel_launch(site, inputs, policy, kernel_module=baseline)
+                 for policy in ("bf16", "fp32")}
+    return runs
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="benchmarks/results/check_cost.json")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--baseline", help="a kernels/triton_modulation.py of another commit to compare with")
     args = parser.parse_args()
+    baseline = load_kernel_module(args.baseline) if args.baseline else None
     rows = []
-    print("| site | T | bf16 us | fp32 us (vs bf16) | bf16 without index check us (check costs) |\n|---|---|---|---|---|")
+    extra = " baseline bf16 us (this vs it) | baseline fp32 us (this vs it) |" if baseline else ""
+    print("| site | T | bf16 us | fp32 us (vs bf16) | bf16 without index check us (check costs) |" + extra
+          + "\n|---|---|---|---|---|" + "---|---|" * bool(baseline))
     for site in SITES:
         for tokens in TOKENS:
-            runs = launchers(site, make_inputs(site, tokens, HIDDEN))
+            runs = launchers(site, make_inputs(site, tokens, HIDDEN), baseline)
             asserts = {name: "__assertfail" in run().asm["ptx"] for name, run in runs.items()}
-            if asserts != {"bf16": True, "fp32": True, "bf16_no_index_check": False}:
+            if asserts != {name: name != "bf16_no_index_check" for name in runs}:
                 raise RuntimeError(f"unexpected assertions in the compiled kernels: {asserts}")
             times = {name: [] for name in runs}
             for _ in range(args.rounds):
@@ -61,8 +73,12 @@ def main():
             us = {name: statistics.median(t) for name, t in times.items()}
             rows.append(dict(site=site, T=tokens, us=us, rounds=times, gpu=torch.cuda.get_device_name(),
                              torch=torch.__version__, triton=triton.__version__))
-            print(f"| {site} | {tokens:,} | {us['bf16']:.1f} | {us['fp32']:.1f} ({us['fp32'] / us['bf16'] - 1:+.1%}) | "
-                  f"{us['bf16_no_index_check']:.1f} ({us['bf16'] / us['bf16_no_index_check'] - 1:+.1%}) |", flush=True)
+            line = (f"| {site} | {tokens:,} | {us['bf16']:.1f} | {us['fp32']:.1f} ({us['fp32'] / us['bf16'] - 1:+.1%}) | "
+                    f"{us['bf16_no_index_check']:.1f} ({us['bf16'] / us['bf16_no_index_check'] - 1:+.1%}) |")
+            if baseline:
+                line += "".join(f" {us[f'baseline_{p}']:.1f} ({us[p] / us[f'baseline_{p}'] - 1:+.1%}) |"
+                                for p in ("bf16", "fp32"))
+            print(line, flush=True)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(rows, f, indent=1)

@@ -6,6 +6,8 @@ replaces; ``make_inputs`` builds real-size inputs (strided ``[K, H]`` chunk view
 
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.nn.functional as F
 
@@ -61,12 +63,15 @@ def fused_site(site: str, policy: str):
     return lambda residual, gate, branch, index: gate_residual(residual, gate, branch, index, policy=policy)
 
 
-def kernel_launch(site: str, inputs: dict, policy: str, wrap=lambda kernel: kernel):
+def kernel_launch(site: str, inputs: dict, policy: str, wrap=lambda kernel: kernel, kernel_module=None):
     """A call that launches the fused kernel alone on ``inputs`` (arguments checked once, outputs
     allocated once; no op dispatch) and returns what the launch returns (the compiled kernel).
-    ``launch_config`` is read at each call, so a benchmark may swap it between calls."""
+    ``launch_config`` is read at each call, so a benchmark may swap it between calls. ``kernel_module``:
+    another version of ``h3_fused.kernels.triton_modulation`` to launch instead (``load_kernel_module``)."""
+    from h3_fused.kernels import triton_modulation
     from h3_fused.kernels.contract import check_args
-    from h3_fused.kernels.triton_modulation import launch_modulation
+
+    launch_modulation = (kernel_module or triton_modulation).launch_modulation
 
     a = check_args(**inputs, policy=policy, has_norm=site != "C")
     u = torch.empty(a.out_shape, dtype=a.dtype, device=a.device) if site != "A" else None
@@ -78,3 +83,16 @@ def minimal_bytes(site: str, tokens: int, hidden: int, itemsize: int = 2) -> int
     """Each activation read once and each output written once (tables and index are negligible)."""
     streams = {"A": 2, "B": 4, "C": 3}[site]
     return streams * tokens * hidden * itemsize
+
+
+def load_kernel_module(path: str):
+    """A copy of ``kernels/triton_modulation.py`` from another commit, imported beside the installed one
+    (as ``h3_fused.kernels._baseline_modulation``, so its relative imports resolve), e.g. from
+    ``git show REV:kernels/triton_modulation.py > FILE``."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("h3_fused.kernels._baseline_modulation", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
