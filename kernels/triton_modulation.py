@@ -18,8 +18,8 @@ of ``u`` stay in registers (in the activation dtype) from the sum of squares to 
 
 Multiplies feeding an add are never contracted into an FMA (which would remove the fp32 rounding
 eager performs), except under the ``fp32`` policy (``FUSE_MULTIPLY_ADD``: ``residual + g`` and
-``q + shift`` are each one FMA), as the upstream fp32 kernels compile them. Under the interpreter (``PORTABLE``) rounding to bf16 is done on the bits, since the
-interpreter truncates conversions. An out-of-range index never reads out of bounds (it is clamped for
+``q + shift`` are each one FMA), as the upstream fp32 kernels compile them. Under the interpreter
+(``PORTABLE``) rounding to bf16 is done on the bits, since the interpreter truncates conversions. An out-of-range index never reads out of bounds (it is clamped for
 the loads) and fails a device-side assertion: the kernel is compiled with ``debug=True`` for direct
 launches, and Inductor compiles it with assertions on (``assert_indirect_indexing``, its default).
 """
@@ -106,8 +106,8 @@ def _new_residual(
 ):
     """One chunk of ``u`` (fp32): the gated residual (sites B, C; stored by the caller), or the loaded ``x``.
 
-    The activations are read once, so they bypass L1 (``.cg``), which then keeps the table rows that
-    every row of the program's SM reads again (measured: site A 0.6-0.9% faster, B and C unchanged)."""
+    The activations are read once, so they bypass L1 (``.cg``), leaving it to the table rows that every
+    program on the SM reads again (measured: site A 0.6-0.9% faster, B and C unchanged)."""
     if HAS_GATE:
         act: tl.constexpr = u_ptr.dtype.element_ty
         res = tl.load(res_ptr + rows[:, None] * stride_res + start + lanes[None, :], mask=mask, other=0.0,
