@@ -7,7 +7,7 @@
 REV:kernels/triton_modulation.py > FILE``) adds that kernel under both policies to the alternation, and
 the change of this kernel against it: a kernel change measured side by side, in one process.
 
-Each site and T is timed in ``--rounds`` rounds, every round measuring the three kernels one after
+Each site and T is timed in ``--rounds`` rounds, every round measuring the kernels one after
 the other (device time under CUDA graphs after an L2 flush, as ``bench_ops.py``), so that drift of the
 GPU's clocks between variants cancels; the table gives the median of the rounds and the ratios to
 ``bf16``.

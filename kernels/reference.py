@@ -21,7 +21,10 @@ def _round(v: torch.Tensor, dtype: torch.dtype, rounds: bool) -> torch.Tensor:
 
 
 def gated_residual(a: ModulationArgs) -> torch.Tensor:
-    """``u = R_A(res + [R_A](gate[idx] * branch))`` as fp32 values."""
+    """``u = R_A(res + [R_A](gate[idx] * branch))`` as fp32 values.
+
+    Under ``fp32`` the CUDA kernel adds the product in the same FMA (``Rounding.fused_multiply_add``);
+    for bf16/fp16 operands the product is exact in fp32, so the stored residuals agree."""
     gate_rows = a.gate.index_select(0, a.index.long()).to(f32)
     product = _round(gate_rows * a.branch.to(f32), a.dtype, a.rounding.gate_product)
     return _round(a.residual.to(f32) + product, a.dtype, True)
@@ -42,9 +45,9 @@ def rms_norm(u: torch.Tensor, a: ModulationArgs) -> torch.Tensor:
 def modulate(n: torch.Tensor, a: ModulationArgs) -> torch.Tensor:
     """``y = R_A([R_A](n * [R_A](1 + scale[idx])) + shift[idx])`` in the activation dtype.
 
-    Under ``fp32`` (``Rounding.fused_multiply_add``) the CUDA kernel computes ``n * p + shift`` (and
-    ``res + gate * branch``) as one FMA; this reference rounds the products to fp32 first, so the two can
-    differ by a last-bit flip of the output, each within the policy."""
+    Under ``fp32`` (``Rounding.fused_multiply_add``) the CUDA kernel computes ``n * p + shift`` as one
+    FMA; this reference rounds the product to fp32 first, so the two can differ by a last-bit flip of the
+    output, each within the policy."""
     idx = a.index.long()
     one_plus = _round(1.0 + a.scale.index_select(0, idx).to(f32), a.dtype, a.rounding.affine)
     product = _round(n * one_plus, a.dtype, a.rounding.affine)
