@@ -85,6 +85,21 @@ def _rsqrt(v, PORTABLE: tl.constexpr):
 
 
 @triton.jit
+def _prefetch_rows(table_ptr, rows, stride, HIDDEN: tl.constexpr):
+    """Ask L2 for rows ``rows`` of a ``[K, H]`` table (``stride`` 0: the one row of a ``[H]`` vector)
+    without waiting for them: one ``prefetch.global.L2`` per 128-byte line, so no register holds the
+    data. Called once the activations' loads are issued, so that the table rows the modulation reads after
+    the norm's reduction are on their way from DRAM while the row arrives (with a cold L2 the first
+    programs would otherwise wait for them after the reduction)."""
+    per_line: tl.constexpr = 1024 // table_ptr.dtype.element_ty.primitive_bitwidth
+    lines: tl.constexpr = (HIDDEN + per_line - 1) // per_line
+    cols = tl.minimum(tl.arange(0, triton.next_power_of_2(lines)).to(tl.int64) * per_line, HIDDEN - 1)
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l",
+                              [table_ptr + rows[:, None] * stride + cols[None, :]],
+                              dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def _chunk(c: tl.constexpr, row_ok, CHUNK: tl.constexpr, HIDDEN: tl.constexpr):
     """The lanes of chunk ``c`` (its columns are ``c * CHUNK + lanes``) and the load/store mask (a column
     test only in the chunk that crosses ``H``).
@@ -171,7 +186,7 @@ def modulation_kernel(
     HIDDEN: tl.constexpr, HAS_GATE: tl.constexpr, HAS_NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr,
     ROUND_GATE: tl.constexpr, ROUND_NORM: tl.constexpr, ROUND_NORM_BEFORE_WEIGHT: tl.constexpr,
     ROUND_AFFINE: tl.constexpr, FUSE_MULTIPLY_ADD: tl.constexpr, PORTABLE: tl.constexpr, BLOCK_T: tl.constexpr,
-    CHUNK: tl.constexpr,
+    CHUNK: tl.constexpr, PREFETCH_TABLES: tl.constexpr,
 ):
     act: tl.constexpr = u_ptr.dtype.element_ty
     rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -191,6 +206,11 @@ def modulation_kernel(
         if HAS_NORM:
             squares += u * u
         kept = kept + (u.to(act),)
+    if HAS_NORM and PREFETCH_TABLES and not PORTABLE:
+        _prefetch_rows(scale_ptr, idx, stride_scale, HIDDEN)
+        _prefetch_rows(shift_ptr, idx, stride_shift, HIDDEN)
+        if HAS_WEIGHT:
+            _prefetch_rows(w_ptr, idx * 0, 0, HIDDEN)
     if HAS_GATE:  # after every chunk's loads: a store may alias them, so no load could move above it
         for c in tl.static_range(triton.cdiv(HIDDEN, CHUNK)):
             lanes, mask = _chunk(c, row_ok, CHUNK, HIDDEN)
@@ -217,6 +237,7 @@ class LaunchConfig:
     block_t: int
     chunk: int
     num_warps: int
+    prefetch_tables: bool = False
 
 
 def launch_config(hidden: int, has_gate: bool) -> LaunchConfig:
@@ -252,6 +273,7 @@ def specialisation(hidden: int, has_gate: bool, has_norm: bool, has_weight: bool
         ROUND_GATE=rounding.gate_product, ROUND_NORM=rounding.norm_output,
         ROUND_NORM_BEFORE_WEIGHT=rounding.norm_before_weight, ROUND_AFFINE=rounding.affine,
         FUSE_MULTIPLY_ADD=rounding.fused_multiply_add, PORTABLE=portable, BLOCK_T=config.block_t, CHUNK=config.chunk,
+        PREFETCH_TABLES=config.prefetch_tables,
     )
 
 
