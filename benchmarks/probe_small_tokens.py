@@ -5,7 +5,8 @@
 For each site and T, in alternating rounds (device time after an L2 flush, as ``bench_ops.py``): the
 copy of the site's minimal bytes; the kernel as shipped; the same kernel with its table rows (and the
 norm weight) already in L2 when it starts (timed as flush + touch + kernel minus flush + touch); and
-launch configurations that prefetch the table rows to L2 once the activations' loads are issued. The
+launch configurations whose programs each touch one line of the tables first
+(``LaunchConfig.warm_tables``). The
 gap between the shipped kernel and the copy, as a function of T, separates a fixed cost (ramp-up and
 tail) from a per-row one; the warm-table row says how much of the fixed cost is the first programs
 waiting for table rows that a cold L2 must fetch from DRAM after the norm's reduction.
@@ -55,23 +56,23 @@ def variants(site, inputs):
     from h3_fused.kernels.triton_modulation import LaunchConfig, launch_config
 
     shipped = launch_config(HIDDEN, site != "A")
-    prefetch = LaunchConfig(shipped.block_t, shipped.chunk, shipped.num_warps, prefetch_tables=True)
+    warm = LaunchConfig(shipped.block_t, shipped.chunk, shipped.num_warps, warm_tables=True)
     runs = {}
     for policy in ("bf16", "fp32"):
         launch = kernel_launch(site, inputs, policy)
         runs[policy] = with_config(launch, shipped)
-        runs[f"{policy}_prefetch"] = with_config(launch, prefetch)
+        runs[f"{policy}_warm"] = with_config(launch, warm)
     if site == "A":
         launch = kernel_launch(site, inputs, "bf16")
         for warps in (8,):
             chunk = 32 * warps * 8
             runs[f"bf16_w{warps}"] = with_config(launch, LaunchConfig(1, chunk, warps))
-            runs[f"bf16_w{warps}_prefetch"] = with_config(launch, LaunchConfig(1, chunk, warps, True))
+            runs[f"bf16_w{warps}_warm"] = with_config(launch, LaunchConfig(1, chunk, warps, True))
     return runs
 
 
 def check_same_outputs(site, inputs):
-    """The prefetching configurations store what the shipped one stores, bit for bit, under both policies."""
+    """The configurations that warm the tables store what the shipped one stores, bit for bit, under both policies."""
     from h3_fused.kernels.triton_modulation import LaunchConfig, launch_config
 
     shipped = launch_config(HIDDEN, site != "A")
@@ -79,10 +80,10 @@ def check_same_outputs(site, inputs):
         op = fused_site(site, policy)
         want = with_config(lambda: op(**inputs), shipped)()
         got = with_config(lambda: op(**inputs), LaunchConfig(shipped.block_t, shipped.chunk, shipped.num_warps,
-                                                              prefetch_tables=True))()
+                                                              warm_tables=True))()
         for w, g in zip(want if isinstance(want, tuple) else (want,), got if isinstance(got, tuple) else (got,)):
             if not torch.equal(w.view(torch.int16), g.view(torch.int16)):
-                raise RuntimeError(f"site {site}, {policy}: prefetching changed the output")
+                raise RuntimeError(f"site {site}, {policy}: warming the tables changed the output")
 
 
 def main():

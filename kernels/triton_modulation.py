@@ -85,18 +85,17 @@ def _rsqrt(v, PORTABLE: tl.constexpr):
 
 
 @triton.jit
-def _prefetch_rows(table_ptr, rows, stride, HIDDEN: tl.constexpr):
-    """Ask L2 for rows ``rows`` of a ``[K, H]`` table (``stride`` 0: the one row of a ``[H]`` vector)
-    without waiting for them: one ``prefetch.global.L2`` per 128-byte line, so no register holds the
-    data. Called once the activations' loads are issued, so that the table rows the modulation reads after
-    the norm's reduction are on their way from DRAM while the row arrives (with a cold L2 the first
-    programs would otherwise wait for them after the reduction)."""
+def _warm_table(table_ptr, stride, num_rows, HIDDEN: tl.constexpr):
+    """Touch one 128-byte line of a ``[num_rows, H]`` table (``stride`` between rows): program ``p`` reads
+    line ``p`` of the table's rows taken in order, so the first ``num_rows * lines`` programs between them
+    bring every row into L2 while they stream their activations. The modulation reads its table rows only
+    after the norm's reduction; with a cold L2 the first programs would otherwise all wait there for
+    DRAM. A volatile load: its value is unused, and it must not be removed."""
     per_line: tl.constexpr = 1024 // table_ptr.dtype.element_ty.primitive_bitwidth
     lines: tl.constexpr = (HIDDEN + per_line - 1) // per_line
-    cols = tl.minimum(tl.arange(0, triton.next_power_of_2(lines)).to(tl.int64) * per_line, HIDDEN - 1)
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l",
-                              [table_ptr + rows[:, None] * stride + cols[None, :]],
-                              dtype=tl.int32, is_pure=False, pack=1)
+    line = tl.program_id(0).to(tl.int64)
+    tl.load(table_ptr + (line // lines) * stride + (line % lines) * per_line, mask=line < num_rows * lines,
+            volatile=True)
 
 
 @triton.jit
@@ -186,11 +185,16 @@ def modulation_kernel(
     HIDDEN: tl.constexpr, HAS_GATE: tl.constexpr, HAS_NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr,
     ROUND_GATE: tl.constexpr, ROUND_NORM: tl.constexpr, ROUND_NORM_BEFORE_WEIGHT: tl.constexpr,
     ROUND_AFFINE: tl.constexpr, FUSE_MULTIPLY_ADD: tl.constexpr, PORTABLE: tl.constexpr, BLOCK_T: tl.constexpr,
-    CHUNK: tl.constexpr, PREFETCH_TABLES: tl.constexpr,
+    CHUNK: tl.constexpr, WARM_TABLES: tl.constexpr,
 ):
     act: tl.constexpr = u_ptr.dtype.element_ty
     rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     row_ok = rows < n_rows
+    if HAS_NORM and WARM_TABLES:
+        _warm_table(scale_ptr, stride_scale, num_table_rows, HIDDEN)
+        _warm_table(shift_ptr, stride_shift, num_table_rows, HIDDEN)
+        if HAS_WEIGHT:
+            _warm_table(w_ptr, 0, 1, HIDDEN)
     idx = tl.load(idx_ptr + rows, mask=row_ok, other=0).to(tl.int64)
     bad = row_ok & ((idx < 0) | (idx >= num_table_rows))
     zero = (idx < 0).to(tl.int32)[:, None]  # 0 wherever the result is defined (see _mul_rn)
@@ -206,11 +210,6 @@ def modulation_kernel(
         if HAS_NORM:
             squares += u * u
         kept = kept + (u.to(act),)
-    if HAS_NORM and PREFETCH_TABLES and not PORTABLE:
-        _prefetch_rows(scale_ptr, idx, stride_scale, HIDDEN)
-        _prefetch_rows(shift_ptr, idx, stride_shift, HIDDEN)
-        if HAS_WEIGHT:
-            _prefetch_rows(w_ptr, idx * 0, 0, HIDDEN)
     if HAS_GATE:  # after every chunk's loads: a store may alias them, so no load could move above it
         for c in tl.static_range(triton.cdiv(HIDDEN, CHUNK)):
             lanes, mask = _chunk(c, row_ok, CHUNK, HIDDEN)
@@ -237,7 +236,7 @@ class LaunchConfig:
     block_t: int
     chunk: int
     num_warps: int
-    prefetch_tables: bool = False
+    warm_tables: bool = False
 
 
 def launch_config(hidden: int, has_gate: bool) -> LaunchConfig:
@@ -273,7 +272,7 @@ def specialisation(hidden: int, has_gate: bool, has_norm: bool, has_weight: bool
         ROUND_GATE=rounding.gate_product, ROUND_NORM=rounding.norm_output,
         ROUND_NORM_BEFORE_WEIGHT=rounding.norm_before_weight, ROUND_AFFINE=rounding.affine,
         FUSE_MULTIPLY_ADD=rounding.fused_multiply_add, PORTABLE=portable, BLOCK_T=config.block_t, CHUNK=config.chunk,
-        PREFETCH_TABLES=config.prefetch_tables,
+        WARM_TABLES=config.warm_tables,
     )
 
 
