@@ -1,15 +1,21 @@
-"""Where sites A and B lose time at small T, against a copy of the same bytes.
+"""Where site A loses time at small T: the shipped kernel against kernels of the same shape that do less.
 
     python benchmarks/probe_small_tokens.py --out benchmarks/results/probe_small_tokens.json
 
-For each site and T, in alternating rounds (device time after an L2 flush, as ``bench_ops.py``): the
-copy of the site's minimal bytes; the kernel as shipped; the same kernel with its table rows (and the
-norm weight) already in L2 when it starts (timed as flush + touch + kernel minus flush + touch); and
-launch configurations whose programs each touch one line of the tables first
-(``LaunchConfig.warm_tables``). The
-gap between the shipped kernel and the copy, as a function of T, separates a fixed cost (ramp-up and
-tail) from a per-row one; the warm-table row says how much of the fixed cost is the first programs
-waiting for table rows that a cold L2 must fetch from DRAM after the norm's reduction.
+``row_probe_kernel`` has the shipped kernel's structure for site A (one row per program, the row read in
+chunks of one 16-byte vector per thread with ``.cg`` loads, the launch configuration of
+``launch_config``) and does one of three things with the row:
+
+    copy      y = x                                   (every load, then every store)
+    norm      y = R(x * rsqrt(mean(x^2) + eps))       (+ the reduction between loads and stores)
+    modulate  y = R(x * r * w * (1 + scale[i]) + shift[i])  (+ the table rows, read after the reduction)
+
+For each T, in alternating rounds (device time after an L2 flush, as ``bench_ops.py``), the table
+gives a copy of the same bytes, the three probes and the shipped kernel: how much of the gap to the copy
+is the one-row-per-program structure, the reduction, and the table rows. Then each probe runs once
+with ``TIMELINE``: every program records ``%globaltimer`` when it starts, when its reduction has its
+whole row, and after its stores, and ``%smid``; the table summarises when programs start and end,
+how long each phase lasts, and how many programs are loading over time (the ramp and the tail).
 """
 
 from __future__ import annotations
@@ -22,104 +28,144 @@ import sys
 
 import torch
 import triton
+import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_ops import HIDDEN, graph_ms  # noqa: E402
-from sites import fused_site, kernel_launch, make_inputs, minimal_bytes  # noqa: E402
+from sites import kernel_launch, make_inputs, minimal_bytes  # noqa: E402
 
-TOKENS = (1024, 3072, 6144, 15808)
+TOKENS = (1024, 3072, 15808)
+WORK = ("copy", "norm", "modulate")
 
 
-def with_config(launch, config):
-    """``launch`` with ``launch_config`` answering ``config``."""
-    from h3_fused.kernels import triton_modulation as tm
+@triton.jit
+def _now(after):
+    """``%globaltimer`` (ns), read once ``after`` is available."""
+    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [after], dtype=tl.int64,
+                                     is_pure=False, pack=1)
+
+
+@triton.jit
+def row_probe_kernel(x_ptr, w_ptr, shift_ptr, scale_ptr, idx_ptr, y_ptr, times_ptr, stride_table, eps,
+                     HIDDEN: tl.constexpr, CHUNK: tl.constexpr, NORM: tl.constexpr, TABLES: tl.constexpr,
+                     TIMELINE: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    lanes = tl.arange(0, CHUNK)[None, :]
+    if TIMELINE:
+        started = _now(tl.program_id(0) + tl.zeros([1], tl.int32))
+    kept = ()
+    squares = tl.zeros([1, CHUNK], tl.float32)
+    for c in tl.static_range(triton.cdiv(HIDDEN, CHUNK)):
+        v = tl.load(x_ptr + row * HIDDEN + c * CHUNK + lanes, mask=lanes < HIDDEN - c * CHUNK, other=0.0,
+                    cache_modifier=".cg")
+        kept = kept + (v,)
+        squares += v.to(tl.float32) * v.to(tl.float32)
+    r = tl.rsqrt(tl.sum(squares, axis=1) * (1.0 / HIDDEN) + eps)
+    if TIMELINE:
+        loaded = _now(r.to(tl.int32, bitcast=True))
+    i = tl.load(idx_ptr + row)
+    for c in tl.static_range(triton.cdiv(HIDDEN, CHUNK)):
+        mask = lanes < HIDDEN - c * CHUNK
+        y = kept[c].to(tl.float32)
+        if NORM:
+            y = y * r[:, None]
+        if TABLES:
+            w = tl.load(w_ptr + c * CHUNK + lanes, mask=mask, other=0.0).to(tl.float32)
+            scale = tl.load(scale_ptr + i * stride_table + c * CHUNK + lanes, mask=mask, other=0.0).to(tl.float32)
+            shift = tl.load(shift_ptr + i * stride_table + c * CHUNK + lanes, mask=mask, other=0.0).to(tl.float32)
+            y = y * w * (1.0 + scale) + shift
+        tl.store(y_ptr + row * HIDDEN + c * CHUNK + lanes, y.to(y_ptr.dtype.element_ty), mask=mask)
+    if TIMELINE:
+        ended = _now(r.to(tl.int32, bitcast=True))
+        smid = tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r,r", [ended.to(tl.int32)], dtype=tl.int32,
+                                         is_pure=False, pack=1)
+        base = times_ptr + row * 4 + tl.arange(0, 1)
+        tl.store(base, started)
+        tl.store(base + 1, loaded)
+        tl.store(base + 2, ended)
+        tl.store(base + 3, smid.to(tl.int64))
+
+
+def probe(work: str, inputs: dict, times: torch.Tensor | None = None):
+    """A launch of ``row_probe_kernel`` doing ``work`` on site A's ``inputs`` (``times``: record a timeline)."""
+    from h3_fused.kernels.triton_modulation import launch_config
+
+    x = inputs["x"]
+    y = torch.empty_like(x)
+    config = launch_config(HIDDEN, False)
+    timeline = times is not None
 
     def run():
-        original = tm.launch_config
-        tm.launch_config = lambda hidden, has_gate: config
-        try:
-            return launch()
-        finally:
-            tm.launch_config = original
+        row_probe_kernel[(x.shape[0],)](
+            x, inputs["weight"], inputs["shift"], inputs["scale"], inputs["index"], y,
+            times if timeline else x, inputs["shift"].stride(0), inputs["eps"], HIDDEN=HIDDEN, CHUNK=config.chunk,
+            NORM=work != "copy", TABLES=work == "modulate", TIMELINE=timeline, num_warps=config.num_warps)
+        return y
 
     return run
 
 
-def table_toucher(inputs):
-    """A call that reads every table and the norm weight once (through L2) into scratch copies."""
-    tables = [inputs[k] for k in ("gate", "shift", "scale", "weight") if inputs.get(k) is not None]
-    scratch = [torch.empty_like(t) for t in tables]
-    return lambda: [s.copy_(t) for s, t in zip(scratch, tables)]
-
-
-def variants(site, inputs):
-    from h3_fused.kernels.triton_modulation import LaunchConfig, launch_config
-
-    shipped = launch_config(HIDDEN, site != "A")
-    warm = LaunchConfig(shipped.block_t, shipped.chunk, shipped.num_warps, warm_tables=True)
-    runs = {}
-    for policy in ("bf16", "fp32"):
-        launch = kernel_launch(site, inputs, policy)
-        runs[policy] = with_config(launch, shipped)
-        runs[f"{policy}_warm"] = with_config(launch, warm)
-    if site == "A":
-        launch = kernel_launch(site, inputs, "bf16")
-        for warps in (8,):
-            chunk = 32 * warps * 8
-            runs[f"bf16_w{warps}"] = with_config(launch, LaunchConfig(1, chunk, warps))
-            runs[f"bf16_w{warps}_warm"] = with_config(launch, LaunchConfig(1, chunk, warps, True))
-    return runs
-
-
-def check_same_outputs(site, inputs):
-    """The configurations that warm the tables store what the shipped one stores, bit for bit, under both policies."""
-    from h3_fused.kernels.triton_modulation import LaunchConfig, launch_config
-
-    shipped = launch_config(HIDDEN, site != "A")
-    for policy in ("bf16", "fp32"):
-        op = fused_site(site, policy)
-        want = with_config(lambda: op(**inputs), shipped)()
-        got = with_config(lambda: op(**inputs), LaunchConfig(shipped.block_t, shipped.chunk, shipped.num_warps,
-                                                              warm_tables=True))()
-        for w, g in zip(want if isinstance(want, tuple) else (want,), got if isinstance(got, tuple) else (got,)):
-            if not torch.equal(w.view(torch.int16), g.view(torch.int16)):
-                raise RuntimeError(f"site {site}, {policy}: warming the tables changed the output")
+def timeline_summary(times: torch.Tensor) -> dict:
+    """Phases and the number of programs loading over time, from ``[programs, 4]`` records (start,
+    row loaded, end in ns; SM)."""
+    t = times.double().cpu()
+    t[:, :3] -= t[:, 0].min()
+    start, loaded, end, sm = t.unbind(1)
+    span = end.max().item()
+    bins = torch.arange(0, span + 500, 500.0)
+    loading = [((start <= b) & (b < loaded)).sum().item() for b in bins]
+    running = [((start <= b) & (b < end)).sum().item() for b in bins]
+    per_sm = torch.bincount(sm.long())
+    return dict(
+        span_us=span / 1e3, last_start_us=start.max().item() / 1e3, first_end_us=end.min().item() / 1e3,
+        last_loaded_us=loaded.max().item() / 1e3,
+        load_phase_us=dict(median=(loaded - start).median().item() / 1e3, max=(loaded - start).max().item() / 1e3),
+        after_load_us=dict(median=(end - loaded).median().item() / 1e3, max=(end - loaded).max().item() / 1e3),
+        programs_per_sm=dict(min=per_sm[per_sm > 0].min().item(), max=per_sm.max().item()),
+        bins_us=[b / 1e3 for b in bins.tolist()], loading=loading, running=running)
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="benchmarks/results/probe_small_tokens.json")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--sites", nargs="+", default=["A", "B"])
     parser.add_argument("--tokens", nargs="+", type=int, default=list(TOKENS))
     args = parser.parse_args()
     rows = []
-    for site in args.sites:
-        for tokens in args.tokens:
-            inputs = make_inputs(site, tokens, HIDDEN)
-            nbytes = minimal_bytes(site, tokens, HIDDEN)
-            src = torch.empty(nbytes // 4, dtype=torch.bfloat16, device="cuda")
-            dst = torch.empty_like(src)
-            check_same_outputs(site, inputs)
-            runs = variants(site, inputs)
-            touch = table_toucher(inputs)
-            shipped = runs["bf16"]
-            timers = {name: (lambda run=run: graph_ms(run)) for name, run in runs.items()}
-            timers["copy_same_bytes"] = lambda: graph_ms(lambda: dst.copy_(src))
-            timers["bf16_tables_warm"] = lambda: (graph_ms(lambda: (touch(), shipped()))
-                                                  - graph_ms(touch))
-            for run in runs.values():
-                run()
-            times = {name: [] for name in timers}
-            for _ in range(args.rounds):
-                for name, timer in timers.items():
-                    times[name].append(timer() * 1e3)
-            us = {name: statistics.median(t) for name, t in times.items()}
-            copy = us["copy_same_bytes"]
-            print(f"{site} T={tokens:6d}  " + "  ".join(
-                f"{name} {t:.1f} us ({copy / t:.1%} of copy)" for name, t in us.items()), flush=True)
-            rows.append(dict(site=site, T=tokens, us=us, rounds=times, nbytes=nbytes,
-                             gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__))
+    for tokens in args.tokens:
+        inputs = make_inputs("A", tokens, HIDDEN)
+        nbytes = minimal_bytes("A", tokens, HIDDEN)
+        src = torch.empty(nbytes // 4, dtype=torch.bfloat16, device="cuda")
+        dst = torch.empty_like(src)
+        runs = {"copy_same_bytes": lambda: dst.copy_(src), "shipped_bf16": kernel_launch("A", inputs, "bf16")}
+        runs |= {f"probe_{work}": probe(work, inputs) for work in WORK}
+        for run in runs.values():
+            run()
+        times = {name: [] for name in runs}
+        for _ in range(args.rounds):
+            for name, run in runs.items():
+                times[name].append(graph_ms(run) * 1e3)
+        us = {name: statistics.median(t) for name, t in times.items()}
+        copy = us["copy_same_bytes"]
+        print(f"A T={tokens:6d}  " + "  ".join(f"{name} {t:.1f} us ({copy / t:.1%} of copy)" for name, t in us.items()),
+              flush=True)
+        timelines = {}
+        for work in WORK:
+            record = torch.zeros(tokens, 4, dtype=torch.int64, device="cuda")
+            run = probe(work, inputs, record)
+            run()
+            torch.cuda.synchronize()
+            graph_ms(lambda run=run: run())  # the last replay's records: after a flush, as timed above
+            timelines[work] = summary = timeline_summary(record)
+            print(f"   timeline {work:8s} span {summary['span_us']:.1f} us, last start {summary['last_start_us']:.1f}, "
+                  f"first end {summary['first_end_us']:.1f}, last row loaded {summary['last_loaded_us']:.1f}; "
+                  f"load phase median {summary['load_phase_us']['median']:.2f} max {summary['load_phase_us']['max']:.2f}, "
+                  f"after it median {summary['after_load_us']['median']:.2f} max {summary['after_load_us']['max']:.2f}; "
+                  f"programs per SM {summary['programs_per_sm']}", flush=True)
+            print("      loading per 0.5 us: " + " ".join(str(n) for n in summary["loading"]), flush=True)
+            print("      running per 0.5 us: " + " ".join(str(n) for n in summary["running"]), flush=True)
+        rows.append(dict(site="A", T=tokens, us=us, rounds=times, timelines=timelines, nbytes=nbytes,
+                         gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__))
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(rows, f, indent=1)

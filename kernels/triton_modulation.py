@@ -85,20 +85,6 @@ def _rsqrt(v, PORTABLE: tl.constexpr):
 
 
 @triton.jit
-def _warm_table(table_ptr, stride, num_rows, HIDDEN: tl.constexpr):
-    """Touch one 128-byte line of a ``[num_rows, H]`` table (``stride`` between rows): program ``p`` reads
-    line ``p`` of the table's rows taken in order, so the first ``num_rows * lines`` programs between them
-    bring every row into L2 while they stream their activations. The modulation reads its table rows only
-    after the norm's reduction; with a cold L2 the first programs would otherwise all wait there for
-    DRAM. A volatile load: its value is unused, and it must not be removed."""
-    per_line: tl.constexpr = 1024 // table_ptr.dtype.element_ty.primitive_bitwidth
-    lines: tl.constexpr = (HIDDEN + per_line - 1) // per_line
-    line = tl.program_id(0).to(tl.int64)
-    tl.load(table_ptr + (line // lines) * stride + (line % lines) * per_line, mask=line < num_rows * lines,
-            volatile=True)
-
-
-@triton.jit
 def _chunk(c: tl.constexpr, row_ok, CHUNK: tl.constexpr, HIDDEN: tl.constexpr):
     """The lanes of chunk ``c`` (its columns are ``c * CHUNK + lanes``) and the load/store mask (a column
     test only in the chunk that crosses ``H``).
@@ -185,16 +171,11 @@ def modulation_kernel(
     HIDDEN: tl.constexpr, HAS_GATE: tl.constexpr, HAS_NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr,
     ROUND_GATE: tl.constexpr, ROUND_NORM: tl.constexpr, ROUND_NORM_BEFORE_WEIGHT: tl.constexpr,
     ROUND_AFFINE: tl.constexpr, FUSE_MULTIPLY_ADD: tl.constexpr, PORTABLE: tl.constexpr, BLOCK_T: tl.constexpr,
-    CHUNK: tl.constexpr, WARM_TABLES: tl.constexpr,
+    CHUNK: tl.constexpr,
 ):
     act: tl.constexpr = u_ptr.dtype.element_ty
     rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     row_ok = rows < n_rows
-    if HAS_NORM and WARM_TABLES:
-        _warm_table(scale_ptr, stride_scale, num_table_rows, HIDDEN)
-        _warm_table(shift_ptr, stride_shift, num_table_rows, HIDDEN)
-        if HAS_WEIGHT:
-            _warm_table(w_ptr, 0, 1, HIDDEN)
     idx = tl.load(idx_ptr + rows, mask=row_ok, other=0).to(tl.int64)
     bad = row_ok & ((idx < 0) | (idx >= num_table_rows))
     zero = (idx < 0).to(tl.int32)[:, None]  # 0 wherever the result is defined (see _mul_rn)
@@ -236,7 +217,6 @@ class LaunchConfig:
     block_t: int
     chunk: int
     num_warps: int
-    warm_tables: bool = False
 
 
 def launch_config(hidden: int, has_gate: bool) -> LaunchConfig:
@@ -272,7 +252,6 @@ def specialisation(hidden: int, has_gate: bool, has_norm: bool, has_weight: bool
         ROUND_GATE=rounding.gate_product, ROUND_NORM=rounding.norm_output,
         ROUND_NORM_BEFORE_WEIGHT=rounding.norm_before_weight, ROUND_AFFINE=rounding.affine,
         FUSE_MULTIPLY_ADD=rounding.fused_multiply_add, PORTABLE=portable, BLOCK_T=config.block_t, CHUNK=config.chunk,
-        WARM_TABLES=config.warm_tables,
     )
 
 
