@@ -12,7 +12,8 @@ chunks of one 16-byte vector per thread with ``.cg`` loads, the launch configura
 
 For each T, in alternating rounds (device time after an L2 flush, as ``bench_ops.py``), the table
 gives a copy of the same bytes, the three probes and the shipped kernel: how much of the gap to the copy
-is the one-row-per-program structure, the reduction, and the table rows. Then each probe runs once
+is the one-row-per-program structure, the reduction, and the table rows; and the shipped kernel on 8
+warps instead of 4 (where the two cross). Then each probe runs once
 with ``TIMELINE``: every program records ``%globaltimer`` when it starts, when its reduction has its
 whole row, and after its stores, and ``%smid``; the table summarises when programs start and end,
 how long each phase lasts, and how many programs are loading over time (the ramp and the tail).
@@ -34,7 +35,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from bench_ops import HIDDEN, graph_ms  # noqa: E402
 from sites import kernel_launch, make_inputs, minimal_bytes  # noqa: E402
 
-TOKENS = (1024, 3072, 15808)
+TOKENS = (1024, 3072, 6144, 9216, 15808)
 WORK = ("copy", "norm", "modulate")
 
 
@@ -105,6 +106,21 @@ def probe(work: str, inputs: dict, times: torch.Tensor | None = None):
     return run
 
 
+def with_launch_config(launch, config):
+    """``launch`` with ``launch_config`` answering ``config``."""
+    from h3_fused.kernels import triton_modulation as tm
+
+    def run():
+        original = tm.launch_config
+        tm.launch_config = lambda hidden, has_gate: config
+        try:
+            return launch()
+        finally:
+            tm.launch_config = original
+
+    return run
+
+
 def timeline_summary(times: torch.Tensor) -> dict:
     """Phases and the number of programs loading over time, from ``[programs, 4]`` records (start,
     row loaded, end in ns; SM)."""
@@ -130,14 +146,18 @@ def main():
     parser.add_argument("--out", default="benchmarks/results/probe_small_tokens.json")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tokens", nargs="+", type=int, default=list(TOKENS))
+    parser.add_argument("--timeline-tokens", nargs="+", type=int, default=[1024, 3072])
     args = parser.parse_args()
+    from h3_fused.kernels.triton_modulation import LaunchConfig
+
     rows = []
     for tokens in args.tokens:
         inputs = make_inputs("A", tokens, HIDDEN)
         nbytes = minimal_bytes("A", tokens, HIDDEN)
         src = torch.empty(nbytes // 4, dtype=torch.bfloat16, device="cuda")
         dst = torch.empty_like(src)
-        runs = {"copy_same_bytes": lambda: dst.copy_(src), "shipped_bf16": kernel_launch("A", inputs, "bf16")}
+        runs = {"copy_same_bytes": lambda: dst.copy_(src), "shipped_bf16": kernel_launch("A", inputs, "bf16"),
+                "shipped_bf16_w8": with_launch_config(kernel_launch("A", inputs, "bf16"), LaunchConfig(1, 2048, 8))}
         runs |= {f"probe_{work}": probe(work, inputs) for work in WORK}
         for run in runs.values():
             run()
@@ -150,7 +170,7 @@ def main():
         print(f"A T={tokens:6d}  " + "  ".join(f"{name} {t:.1f} us ({copy / t:.1%} of copy)" for name, t in us.items()),
               flush=True)
         timelines = {}
-        for work in WORK:
+        for work in WORK if tokens in args.timeline_tokens else ():
             record = torch.zeros(tokens, 4, dtype=torch.int64, device="cuda")
             run = probe(work, inputs, record)
             run()
