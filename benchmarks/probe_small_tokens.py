@@ -13,7 +13,8 @@ chunks of one 16-byte vector per thread with ``.cg`` loads, the launch configura
 For each T, in alternating rounds (device time after an L2 flush, as ``bench_ops.py``), the table
 gives a copy of the same bytes, the three probes and the shipped kernel: how much of the gap to the copy
 is the one-row-per-program structure, the reduction, and the table rows; and the shipped kernel on 8
-warps instead of 4 (where the two cross). Then each probe runs once
+warps instead of 4 (where the two cross), and with its registers capped (``maxnreg``: more programs
+per SM). Then each probe runs once
 with ``TIMELINE``: every program records ``%globaltimer`` when it starts, when its reduction has its
 whole row, and after its stores, and ``%smid``; the table summarises when programs start and end,
 how long each phase lasts, and how many programs are loading over time (the ramp and the tail).
@@ -106,6 +107,21 @@ def probe(work: str, inputs: dict, times: torch.Tensor | None = None):
     return run
 
 
+class RegisterCap:
+    """A ``wrap`` for ``launch_modulation`` that caps the kernel's registers per thread (ptxas
+    ``.maxnreg``): more programs resident per SM, if it does not spill."""
+
+    def __init__(self, registers):
+        self.registers = registers
+
+    def __call__(self, kernel):
+        self.kernel = kernel
+        return self
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.kernel[grid](*args, maxnreg=self.registers, **kwargs)
+
+
 def with_launch_config(launch, config):
     """``launch`` with ``launch_config`` answering ``config``."""
     from h3_fused.kernels import triton_modulation as tm
@@ -158,9 +174,12 @@ def main():
         dst = torch.empty_like(src)
         runs = {"copy_same_bytes": lambda: dst.copy_(src), "shipped_bf16": kernel_launch("A", inputs, "bf16"),
                 "shipped_bf16_w8": with_launch_config(kernel_launch("A", inputs, "bf16"), LaunchConfig(1, 2048, 8))}
+        runs |= {f"shipped_bf16_maxnreg{n}": kernel_launch("A", inputs, "bf16", RegisterCap(n)) for n in (48, 56, 64)}
         runs |= {f"probe_{work}": probe(work, inputs) for work in WORK}
-        for run in runs.values():
-            run()
+        for name, run in runs.items():
+            compiled = run()
+            if hasattr(compiled, "n_regs"):
+                print(f"   {name}: {compiled.n_regs} registers, {compiled.n_spills} spilled", flush=True)
         times = {name: [] for name in runs}
         for _ in range(args.rounds):
             for name, run in runs.items():
