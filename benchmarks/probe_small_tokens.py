@@ -14,7 +14,7 @@ For each T, in alternating rounds (device time after an L2 flush, as ``bench_ops
 gives a copy of the same bytes, the three probes and the shipped kernel: how much of the gap to the copy
 is the one-row-per-program structure, the reduction, and the table rows; and the shipped kernel on 8
 warps instead of 4 (where the two cross), and with its registers capped (``maxnreg``: more programs
-per SM). Then each probe runs once
+per SM; site B too, with its caps). Then each probe runs once
 with ``TIMELINE``: every program records ``%globaltimer`` when it starts, when its reduction has its
 whole row, and after its stores, and ``%smid``; the table summarises when programs start and end,
 how long each phase lasts, and how many programs are loading over time (the ramp and the tail).
@@ -162,20 +162,23 @@ def main():
     parser.add_argument("--out", default="benchmarks/results/probe_small_tokens.json")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tokens", nargs="+", type=int, default=list(TOKENS))
+    parser.add_argument("--sites", nargs="+", default=["A", "B"], choices=["A", "B"])
     parser.add_argument("--timeline-tokens", nargs="+", type=int, default=[1024, 3072])
     args = parser.parse_args()
     from h3_fused.kernels.triton_modulation import LaunchConfig
 
     rows = []
-    for tokens in args.tokens:
-        inputs = make_inputs("A", tokens, HIDDEN)
-        nbytes = minimal_bytes("A", tokens, HIDDEN)
+    for site, tokens in [(site, tokens) for site in args.sites for tokens in args.tokens]:
+        inputs = make_inputs(site, tokens, HIDDEN)
+        nbytes = minimal_bytes(site, tokens, HIDDEN)
         src = torch.empty(nbytes // 4, dtype=torch.bfloat16, device="cuda")
         dst = torch.empty_like(src)
-        runs = {"copy_same_bytes": lambda: dst.copy_(src), "shipped_bf16": kernel_launch("A", inputs, "bf16"),
-                "shipped_bf16_w8": with_launch_config(kernel_launch("A", inputs, "bf16"), LaunchConfig(1, 2048, 8))}
-        runs |= {f"shipped_bf16_maxnreg{n}": kernel_launch("A", inputs, "bf16", RegisterCap(n)) for n in (48, 56, 64)}
-        runs |= {f"probe_{work}": probe(work, inputs) for work in WORK}
+        runs = {"copy_same_bytes": lambda: dst.copy_(src), "shipped_bf16": kernel_launch(site, inputs, "bf16")}
+        caps = (48, 56, 64) if site == "A" else (32, 40)
+        runs |= {f"shipped_bf16_maxnreg{n}": kernel_launch(site, inputs, "bf16", RegisterCap(n)) for n in caps}
+        if site == "A":
+            runs["shipped_bf16_w8"] = with_launch_config(kernel_launch(site, inputs, "bf16"), LaunchConfig(1, 2048, 8))
+            runs |= {f"probe_{work}": probe(work, inputs) for work in WORK}
         for name, run in runs.items():
             compiled = run()
             if hasattr(compiled, "n_regs"):
@@ -186,10 +189,10 @@ def main():
                 times[name].append(graph_ms(run) * 1e3)
         us = {name: statistics.median(t) for name, t in times.items()}
         copy = us["copy_same_bytes"]
-        print(f"A T={tokens:6d}  " + "  ".join(f"{name} {t:.1f} us ({copy / t:.1%} of copy)" for name, t in us.items()),
+        print(f"{site} T={tokens:6d}  " + "  ".join(f"{name} {t:.1f} us ({copy / t:.1%} of copy)" for name, t in us.items()),
               flush=True)
         timelines = {}
-        for work in WORK if tokens in args.timeline_tokens else ():
+        for work in WORK if site == "A" and tokens in args.timeline_tokens else ():
             record = torch.zeros(tokens, 4, dtype=torch.int64, device="cuda")
             run = probe(work, inputs, record)
             run()
@@ -203,7 +206,7 @@ def main():
                   f"programs per SM {summary['programs_per_sm']}", flush=True)
             print("      loading per 0.5 us: " + " ".join(str(n) for n in summary["loading"]), flush=True)
             print("      running per 0.5 us: " + " ".join(str(n) for n in summary["running"]), flush=True)
-        rows.append(dict(site="A", T=tokens, us=us, rounds=times, timelines=timelines, nbytes=nbytes,
+        rows.append(dict(site=site, T=tokens, us=us, rounds=times, timelines=timelines, nbytes=nbytes,
                          gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__))
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
