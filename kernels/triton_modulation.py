@@ -129,28 +129,37 @@ def _new_residual(
 
 
 @triton.jit
+def _table_rows(w_ptr, shift_ptr, scale_ptr, idx, start: tl.constexpr, lanes, mask, stride_shift, stride_scale,
+                HIDDEN: tl.constexpr, HAS_WEIGHT: tl.constexpr):
+    """One chunk of the norm weight (a ``[1, CHUNK]`` row, in the layout of the activations: a 1-D load
+    would be converted through shared memory, with barriers, in every chunk; ones without a weight) and
+    of the rows ``scale[i]``, ``shift[i]``, each as loaded."""
+    if HAS_WEIGHT:
+        w = tl.load(w_ptr + start + lanes[None, :], mask=(lanes < HIDDEN - start)[None, :], other=0.0)
+    else:
+        w = tl.full([1, lanes.shape[0]], 1.0, tl.float32)
+    scale = tl.load(scale_ptr + idx[:, None] * stride_scale + start + lanes[None, :], mask=mask, other=0.0)
+    shift = tl.load(shift_ptr + idx[:, None] * stride_shift + start + lanes[None, :], mask=mask, other=0.0)
+    return w, scale, shift
+
+
+@triton.jit
 def _modulated(
-    u, r, w_ptr, shift_ptr, scale_ptr, y_ptr, idx, zero, start: tl.constexpr, lanes, mask,
-    stride_shift, stride_scale,
-    HIDDEN: tl.constexpr, HAS_WEIGHT: tl.constexpr, ROUND_NORM: tl.constexpr,
+    u, r, w, scale, shift, y_ptr, zero,
+    HAS_WEIGHT: tl.constexpr, ROUND_NORM: tl.constexpr,
     ROUND_NORM_BEFORE_WEIGHT: tl.constexpr, ROUND_AFFINE: tl.constexpr, FUSE_MULTIPLY_ADD: tl.constexpr,
     PORTABLE: tl.constexpr,
 ):
-    """One chunk of ``y = R(R(norm(u)) * R(1 + scale[i]) + shift[i])`` (roundings as the flags say), returned
-    in the activation dtype for the caller to store."""
+    """One chunk of ``y = R(R(norm(u)) * R(1 + scale[i]) + shift[i])`` (roundings as the flags say) from
+    the chunk's table rows, returned in the activation dtype for the caller to store."""
     act: tl.constexpr = y_ptr.dtype.element_ty
     n = u * r[:, None]
     if HAS_WEIGHT:
-        # loaded as a [1, CHUNK] row, in the layout of the activations (a 1-D load would be converted
-        # through shared memory, with barriers, in every chunk)
-        w = tl.load(w_ptr + start + lanes[None, :], mask=(lanes < HIDDEN - start)[None, :], other=0.0).to(tl.float32)
         if ROUND_NORM_BEFORE_WEIGHT:
             n = _rounded(n, act, PORTABLE)
-        n = n * w
+        n = n * w.to(tl.float32)
     if ROUND_NORM:
         n = _rounded(n, act, PORTABLE)
-    scale = tl.load(scale_ptr + idx[:, None] * stride_scale + start + lanes[None, :], mask=mask, other=0.0)
-    shift = tl.load(shift_ptr + idx[:, None] * stride_shift + start + lanes[None, :], mask=mask, other=0.0)
     p = 1.0 + scale.to(tl.float32)
     if ROUND_AFFINE:
         p = _rounded(p, act, PORTABLE)
@@ -171,7 +180,7 @@ def modulation_kernel(
     HIDDEN: tl.constexpr, HAS_GATE: tl.constexpr, HAS_NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr,
     ROUND_GATE: tl.constexpr, ROUND_NORM: tl.constexpr, ROUND_NORM_BEFORE_WEIGHT: tl.constexpr,
     ROUND_AFFINE: tl.constexpr, FUSE_MULTIPLY_ADD: tl.constexpr, PORTABLE: tl.constexpr, BLOCK_T: tl.constexpr,
-    CHUNK: tl.constexpr,
+    CHUNK: tl.constexpr, EARLY_TABLES: tl.constexpr,
 ):
     act: tl.constexpr = u_ptr.dtype.element_ty
     rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -191,6 +200,12 @@ def modulation_kernel(
         if HAS_NORM:
             squares += u * u
         kept = kept + (u.to(act),)
+    tables = ()
+    if HAS_NORM and EARLY_TABLES:
+        for c in tl.static_range(triton.cdiv(HIDDEN, CHUNK)):
+            lanes, mask = _chunk(c, row_ok, CHUNK, HIDDEN)
+            tables = tables + (_table_rows(w_ptr, shift_ptr, scale_ptr, idx, c * CHUNK, lanes, mask, stride_shift,
+                                           stride_scale, HIDDEN, HAS_WEIGHT),)
     if HAS_GATE:  # after every chunk's loads: a store may alias them, so no load could move above it
         for c in tl.static_range(triton.cdiv(HIDDEN, CHUNK)):
             lanes, mask = _chunk(c, row_ok, CHUNK, HIDDEN)
@@ -204,9 +219,13 @@ def modulation_kernel(
         r = _rsqrt(mean_square + tl.cast(eps, tl.float32), PORTABLE)
         for c in tl.static_range(triton.cdiv(HIDDEN, CHUNK)):
             lanes, mask = _chunk(c, row_ok, CHUNK, HIDDEN)
-            y = _modulated(kept[c].to(tl.float32), r, w_ptr, shift_ptr, scale_ptr, y_ptr, idx, zero, c * CHUNK, lanes,
-                           mask, stride_shift, stride_scale, HIDDEN, HAS_WEIGHT, ROUND_NORM, ROUND_NORM_BEFORE_WEIGHT,
-                           ROUND_AFFINE, FUSE_MULTIPLY_ADD, PORTABLE)
+            if EARLY_TABLES:
+                w, scale, shift = tables[c]
+            else:
+                w, scale, shift = _table_rows(w_ptr, shift_ptr, scale_ptr, idx, c * CHUNK, lanes, mask, stride_shift,
+                                              stride_scale, HIDDEN, HAS_WEIGHT)
+            y = _modulated(kept[c].to(tl.float32), r, w, scale, shift, y_ptr, zero, HAS_WEIGHT, ROUND_NORM,
+                           ROUND_NORM_BEFORE_WEIGHT, ROUND_AFFINE, FUSE_MULTIPLY_ADD, PORTABLE)
             tl.store(y_ptr + rows[:, None] * HIDDEN + c * CHUNK + lanes[None, :], y, mask=mask)
 
 
@@ -217,6 +236,7 @@ class LaunchConfig:
     block_t: int
     chunk: int
     num_warps: int
+    early_tables: bool = False
 
 
 def launch_config(hidden: int, has_gate: bool) -> LaunchConfig:
@@ -252,6 +272,7 @@ def specialisation(hidden: int, has_gate: bool, has_norm: bool, has_weight: bool
         ROUND_GATE=rounding.gate_product, ROUND_NORM=rounding.norm_output,
         ROUND_NORM_BEFORE_WEIGHT=rounding.norm_before_weight, ROUND_AFFINE=rounding.affine,
         FUSE_MULTIPLY_ADD=rounding.fused_multiply_add, PORTABLE=portable, BLOCK_T=config.block_t, CHUNK=config.chunk,
+        EARLY_TABLES=config.early_tables,
     )
 
 
