@@ -128,7 +128,7 @@ def sweep(site, tokens, inputs, nbytes, roof, policies) -> list[dict]:
         for policy in policies:
             launch = kernel_launch(site, inputs, policy)
             for config in sweep_configs():
-                tm.launch_config = lambda h, has_gate, c=config: c
+                tm.launch_config = lambda h, has_gate, rows, c=config: c
                 compiled = launch()
                 ms = graph_ms(launch)
                 gbs = nbytes / ms / 1e6

@@ -37,6 +37,7 @@ from triton.language.extra import libdevice
 from .contract import ModulationArgs, Rounding
 
 MAX_BLOCK_H = 32768
+FEW_ROWS = 6144  # up to this many rows, site A runs on 8 warps (``launch_config``)
 
 
 @triton.jit
@@ -129,37 +130,28 @@ def _new_residual(
 
 
 @triton.jit
-def _table_rows(w_ptr, shift_ptr, scale_ptr, idx, start: tl.constexpr, lanes, mask, stride_shift, stride_scale,
-                HIDDEN: tl.constexpr, HAS_WEIGHT: tl.constexpr):
-    """One chunk of the norm weight (a ``[1, CHUNK]`` row, in the layout of the activations: a 1-D load
-    would be converted through shared memory, with barriers, in every chunk; ones without a weight) and
-    of the rows ``scale[i]``, ``shift[i]``, each as loaded."""
-    if HAS_WEIGHT:
-        w = tl.load(w_ptr + start + lanes[None, :], mask=(lanes < HIDDEN - start)[None, :], other=0.0)
-    else:
-        w = tl.full([1, lanes.shape[0]], 1.0, tl.float32)
-    scale = tl.load(scale_ptr + idx[:, None] * stride_scale + start + lanes[None, :], mask=mask, other=0.0)
-    shift = tl.load(shift_ptr + idx[:, None] * stride_shift + start + lanes[None, :], mask=mask, other=0.0)
-    return w, scale, shift
-
-
-@triton.jit
 def _modulated(
-    u, r, w, scale, shift, y_ptr, zero,
-    HAS_WEIGHT: tl.constexpr, ROUND_NORM: tl.constexpr,
+    u, r, w_ptr, shift_ptr, scale_ptr, y_ptr, idx, zero, start: tl.constexpr, lanes, mask,
+    stride_shift, stride_scale,
+    HIDDEN: tl.constexpr, HAS_WEIGHT: tl.constexpr, ROUND_NORM: tl.constexpr,
     ROUND_NORM_BEFORE_WEIGHT: tl.constexpr, ROUND_AFFINE: tl.constexpr, FUSE_MULTIPLY_ADD: tl.constexpr,
     PORTABLE: tl.constexpr,
 ):
-    """One chunk of ``y = R(R(norm(u)) * R(1 + scale[i]) + shift[i])`` (roundings as the flags say) from
-    the chunk's table rows, returned in the activation dtype for the caller to store."""
+    """One chunk of ``y = R(R(norm(u)) * R(1 + scale[i]) + shift[i])`` (roundings as the flags say), returned
+    in the activation dtype for the caller to store."""
     act: tl.constexpr = y_ptr.dtype.element_ty
     n = u * r[:, None]
     if HAS_WEIGHT:
+        # loaded as a [1, CHUNK] row, in the layout of the activations (a 1-D load would be converted
+        # through shared memory, with barriers, in every chunk)
+        w = tl.load(w_ptr + start + lanes[None, :], mask=(lanes < HIDDEN - start)[None, :], other=0.0).to(tl.float32)
         if ROUND_NORM_BEFORE_WEIGHT:
             n = _rounded(n, act, PORTABLE)
-        n = n * w.to(tl.float32)
+        n = n * w
     if ROUND_NORM:
         n = _rounded(n, act, PORTABLE)
+    scale = tl.load(scale_ptr + idx[:, None] * stride_scale + start + lanes[None, :], mask=mask, other=0.0)
+    shift = tl.load(shift_ptr + idx[:, None] * stride_shift + start + lanes[None, :], mask=mask, other=0.0)
     p = 1.0 + scale.to(tl.float32)
     if ROUND_AFFINE:
         p = _rounded(p, act, PORTABLE)
@@ -180,7 +172,7 @@ def modulation_kernel(
     HIDDEN: tl.constexpr, HAS_GATE: tl.constexpr, HAS_NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr,
     ROUND_GATE: tl.constexpr, ROUND_NORM: tl.constexpr, ROUND_NORM_BEFORE_WEIGHT: tl.constexpr,
     ROUND_AFFINE: tl.constexpr, FUSE_MULTIPLY_ADD: tl.constexpr, PORTABLE: tl.constexpr, BLOCK_T: tl.constexpr,
-    CHUNK: tl.constexpr, EARLY_TABLES: tl.constexpr,
+    CHUNK: tl.constexpr,
 ):
     act: tl.constexpr = u_ptr.dtype.element_ty
     rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -200,12 +192,6 @@ def modulation_kernel(
         if HAS_NORM:
             squares += u * u
         kept = kept + (u.to(act),)
-    tables = ()
-    if HAS_NORM and EARLY_TABLES:
-        for c in tl.static_range(triton.cdiv(HIDDEN, CHUNK)):
-            lanes, mask = _chunk(c, row_ok, CHUNK, HIDDEN)
-            tables = tables + (_table_rows(w_ptr, shift_ptr, scale_ptr, idx, c * CHUNK, lanes, mask, stride_shift,
-                                           stride_scale, HIDDEN, HAS_WEIGHT),)
     if HAS_GATE:  # after every chunk's loads: a store may alias them, so no load could move above it
         for c in tl.static_range(triton.cdiv(HIDDEN, CHUNK)):
             lanes, mask = _chunk(c, row_ok, CHUNK, HIDDEN)
@@ -219,13 +205,9 @@ def modulation_kernel(
         r = _rsqrt(mean_square + tl.cast(eps, tl.float32), PORTABLE)
         for c in tl.static_range(triton.cdiv(HIDDEN, CHUNK)):
             lanes, mask = _chunk(c, row_ok, CHUNK, HIDDEN)
-            if EARLY_TABLES:
-                w, scale, shift = tables[c]
-            else:
-                w, scale, shift = _table_rows(w_ptr, shift_ptr, scale_ptr, idx, c * CHUNK, lanes, mask, stride_shift,
-                                              stride_scale, HIDDEN, HAS_WEIGHT)
-            y = _modulated(kept[c].to(tl.float32), r, w, scale, shift, y_ptr, zero, HAS_WEIGHT, ROUND_NORM,
-                           ROUND_NORM_BEFORE_WEIGHT, ROUND_AFFINE, FUSE_MULTIPLY_ADD, PORTABLE)
+            y = _modulated(kept[c].to(tl.float32), r, w_ptr, shift_ptr, scale_ptr, y_ptr, idx, zero, c * CHUNK, lanes,
+                           mask, stride_shift, stride_scale, HIDDEN, HAS_WEIGHT, ROUND_NORM, ROUND_NORM_BEFORE_WEIGHT,
+                           ROUND_AFFINE, FUSE_MULTIPLY_ADD, PORTABLE)
             tl.store(y_ptr + rows[:, None] * HIDDEN + c * CHUNK + lanes[None, :], y, mask=mask)
 
 
@@ -236,29 +218,35 @@ class LaunchConfig:
     block_t: int
     chunk: int
     num_warps: int
-    early_tables: bool = False
 
 
-def launch_config(hidden: int, has_gate: bool) -> LaunchConfig:
+def launch_config(hidden: int, has_gate: bool, rows: int | None) -> LaunchConfig:
     """Whole rows in registers, read in chunks of one 16-byte vector per thread (8 bf16), so that only
-    the last chunk pads ``H``: one row per program on 4 warps for site A, 8 warps for sites B and C (their
-    rows are three or four streams, A's two); rows shorter than the program's lanes share it.
+    the last chunk pads ``H``: one row per program, on 8 warps for sites B and C (their rows are three or
+    four streams, A's two) and for site A up to ``FEW_ROWS`` rows, and on 4 warps for site A beyond (more
+    programs resident per SM); rows shorter than the program's lanes share it. ``rows`` is the row
+    count, or None where it is symbolic (a graph compiled for dynamic shapes: the many-rows choice,
+    without a guard on the count).
 
     Every chunk's loads come before the first store of ``u`` (a store may alias a later load, which the
     compiler would then not move above it), and ``y`` is stored chunk by chunk. Measured on the H200 at
     H = 5,376, T = 3,072 / 15,808 / 63,232 (``bench_ops.py --sweep``; docs/BENCHMARKS.md, run 13), bf16,
     share of copy bandwidth: A on 4 warps 70.1 / 93.2 / 96.1% (8 warps 72.8 / 90.7 / 93.6%); B on 8
-    warps 84.5 / 95.1 / 97.4% (4 warps 80.9 / 94.0 / 96.7%); C on 8 warps 85.6 / 99.2 / 101.9%. Also
-    measured and slower: 1 and 2 warps, the row as one padded block, every ``y`` store after every table
-    load, two rows per program, 16 warps, programs that loop over rows loading the next row's
-    activations first, the table rows loaded before the norm's reduction, and evict-first/evict-last
+    warps 84.5 / 95.1 / 97.4% (4 warps 80.9 / 94.0 / 96.7%); C on 8 warps 85.6 / 99.2 / 101.9%. Site A
+    on 8 against 4 warps at T = 1,024 / 3,072 / 6,144 / 9,216 / 15,808 (``probe_small_tokens.py``, run
+    21): 10.1 / 20.9 / 37.6 / 53.2 / 88.4 us against 11.6 / 21.6 / 37.9 / 52.4 / 87.0 us. Also measured
+    and slower: 1 and 2 warps, the row as one padded block, every ``y`` store after every table load, two
+    rows per program, 16 warps, programs that loop over rows loading the next row's activations first,
+    the table rows loaded before the norm's reduction (runs 6 and 22), the table rows prefetched to L2 or
+    touched first (runs 19, 20), registers capped below the build's (run 21), and evict-first/evict-last
     cache hints.
     """
     padded = triton.next_power_of_2(int(hidden))  # H is a constexpr: specialised, never symbolic
     if padded > MAX_BLOCK_H:
         raise ValueError(f"H={hidden} exceeds the kernel's limit of {MAX_BLOCK_H}")
     block_t = max(1, 2048 // padded)
-    per_thread = 32 if has_gate else 64
+    few_rows = rows is not None and rows <= FEW_ROWS
+    per_thread = 32 if has_gate or few_rows else 64
     num_warps = max(1, min(16, block_t * padded // (32 * per_thread)))
     chunk = min(padded, max(1, 32 * num_warps * 8 // block_t))
     return LaunchConfig(block_t, chunk, num_warps)
@@ -272,7 +260,6 @@ def specialisation(hidden: int, has_gate: bool, has_norm: bool, has_weight: bool
         ROUND_GATE=rounding.gate_product, ROUND_NORM=rounding.norm_output,
         ROUND_NORM_BEFORE_WEIGHT=rounding.norm_before_weight, ROUND_AFFINE=rounding.affine,
         FUSE_MULTIPLY_ADD=rounding.fused_multiply_add, PORTABLE=portable, BLOCK_T=config.block_t, CHUNK=config.chunk,
-        EARLY_TABLES=config.early_tables,
     )
 
 
@@ -285,7 +272,7 @@ def launch_modulation(a: ModulationArgs, u: torch.Tensor | None, y: torch.Tensor
 
     Arguments a site does not use are passed as an alias of one it does; the kernel never reads them.
     """
-    config = launch_config(a.hidden, a.gate is not None)
+    config = launch_config(a.hidden, a.gate is not None, a.rows if isinstance(a.rows, int) else None)
     rows_alias = a.x if a.x is not None else a.residual
     table_alias = a.gate if a.gate is not None else a.scale
 

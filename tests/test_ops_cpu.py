@@ -259,7 +259,7 @@ from h3_fused.kernels.reference import reference_modulation
 torch.manual_seed(1)
 # rows read in 32-column chunks: H = 101 is four chunks, the last one 5 columns wide
 hidden, tokens = 101, 9
-tm.launch_config = lambda hidden, has_gate: tm.LaunchConfig(1, 32, 1)
+tm.launch_config = lambda hidden, has_gate, rows: tm.LaunchConfig(1, 32, 1)
 for policy in ("bf16", "fp32"):
     x = torch.randn(tokens, hidden).to(torch.bfloat16)
     br = torch.randn(tokens, hidden).to(torch.bfloat16)
@@ -286,3 +286,14 @@ print("chunked rows OK")
 def test_rows_read_in_chunks_under_the_interpreter():
     """The chunked path (only the last chunk masked) on a small H, forced by a small chunk width."""
     assert "chunked rows OK" in run_interpreted(CHUNKED)
+
+
+def test_launch_config_gives_site_a_more_warps_only_for_few_known_rows():
+    """Site A runs on 8 warps up to ``FEW_ROWS`` rows and on 4 beyond, or where the count is symbolic
+    (``None``: chosen without a guard on it); the gated sites always run on 8."""
+    from h3_fused.kernels.triton_modulation import FEW_ROWS, launch_config
+
+    site_a = [launch_config(5376, False, rows) for rows in (1, FEW_ROWS, FEW_ROWS + 1, None)]
+    assert [(c.block_t, c.chunk, c.num_warps) for c in site_a] == [(1, 2048, 8)] * 2 + [(1, 1024, 4)] * 2
+    assert {launch_config(5376, True, rows) for rows in (1, FEW_ROWS + 1, None)} == {launch_config(5376, True, 1)}
+    assert launch_config(5376, True, None).num_warps == 8
