@@ -1,25 +1,26 @@
-"""Where site A loses time at small T: the shipped kernel against kernels of the same shape that do less.
+"""Where sites A and B lose time at small T: the shipped kernel, variants of its launch, and kernels of
+the same shape that do less.
 
     python benchmarks/probe_small_tokens.py --out benchmarks/results/probe_small_tokens.json
 
-``row_probe_kernel`` has the shipped kernel's structure for site A (one row per program, the row read in
-chunks of one 16-byte vector per thread with ``.cg`` loads, the launch configuration of
-``launch_config``) and does one of three things with the row:
+``row_probe_kernel`` has the shipped kernel's structure for site A (one row per program, the row read
+in chunks of one 16-byte vector per thread with ``.cg`` loads, the many-rows launch configuration: 4
+warps) and does one of three things with the row:
 
     copy      y = x                                   (every load, then every store)
     norm      y = R(x * rsqrt(mean(x^2) + eps))       (+ the reduction between loads and stores)
     modulate  y = R(x * r * w * (1 + scale[i]) + shift[i])  (+ the table rows, read after the reduction)
 
-For each T, in alternating rounds (device time after an L2 flush, as ``bench_ops.py``), the table
-gives a copy of the same bytes, the three probes and the shipped kernel: how much of the gap to the copy
-is the one-row-per-program structure, the reduction, and the table rows; and the kernel on 4 and 8 warps
-(where the two cross), and with its registers capped (``maxnreg``: more programs
-per SM; site B too, with its caps), under ``fp32``, and with every index 0 (one row of each table). Run 22
-also timed the table rows loaded with the activations, before the reduction, with a knob of commit
-b920002 since removed. Then each probe runs once
-with ``TIMELINE``: every program records ``%globaltimer`` when it starts, when its reduction has its
-whole row, and after its stores, and ``%smid``; the table summarises when programs start and end,
-how long each phase lasts, and how many programs are loading over time (the ramp and the tail).
+For each site and T, in alternating rounds (device time after an L2 flush, as ``bench_ops.py``): a copy
+of the same bytes; the shipped kernel under ``bf16`` and ``fp32``, with its registers capped
+(``maxnreg``: more programs per SM), and with every index 0 (one row of each table); for site A, the
+kernel on 4 and on 8 warps (where the two cross) and the three probes (how much of the gap to the copy is
+the one-row-per-program structure, the reduction, and the table rows). Then each probe runs once with
+``TIMELINE``: every program records ``%globaltimer`` when it starts, once its reduction has the whole
+row, and after its stores, and ``%smid``; the summary gives when programs start and end, how long each
+phase lasts, and how many programs are loading and running in each 0.5 us (the ramp and the tail).
+Run 22 also timed the table rows loaded with the activations, before the reduction, with a knob of
+commit b920002 since removed.
 """
 
 from __future__ import annotations
