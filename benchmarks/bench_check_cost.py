@@ -26,23 +26,12 @@ import triton
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_ops import HIDDEN, TOKENS, graph_ms  # noqa: E402
-from sites import SITES, kernel_launch, load_kernel_module, make_inputs  # noqa: E402
-
-
-class WithoutIndexCheck:
-    """A ``wrap`` for ``launch_modulation`` that compiles the kernel with ``debug=False``: no index
-    assertion, and none of the int32 overflow checks Triton adds in debug mode."""
-
-    def __init__(self, kernel):
-        self.kernel = kernel
-
-    def __getitem__(self, grid):
-        return lambda *args, **kwargs: self.kernel[grid](*args, debug=False, **kwargs)
+from sites import SITES, LaunchOptions, kernel_launch, load_kernel_module, make_inputs  # noqa: E402
 
 
 def launchers(site, inputs, baseline=None):
     runs = {"bf16": kernel_launch(site, inputs, "bf16"), "fp32": kernel_launch(site, inputs, "fp32"),
-            "bf16_no_index_check": kernel_launch(site, inputs, "bf16", WithoutIndexCheck)}
+            "bf16_no_index_check": kernel_launch(site, inputs, "bf16", LaunchOptions(debug=False))}
     if baseline is not None:
         runs |= {f"baseline_{policy}": kernel_launch(site, inputs, policy, kernel_module=baseline)
                  for policy in ("bf16", "fp32")}

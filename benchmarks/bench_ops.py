@@ -29,7 +29,7 @@ from triton.testing import do_bench, do_bench_cudagraph
 
 sys.path.insert(0, os.path.dirname(__file__))
 from hand_fused import hand_fused_site  # noqa: E402
-from sites import SITES, eager_site, fused_site, kernel_launch, make_inputs, minimal_bytes  # noqa: E402
+from sites import SITES, eager_site, fused_site, kernel_launch, make_inputs, minimal_bytes, with_launch_config  # noqa: E402
 
 TOKENS = (3072, 15808, 63232)
 HIDDEN = 5376
@@ -120,27 +120,18 @@ def sweep_configs():
 
 
 def sweep(site, tokens, inputs, nbytes, roof, policies) -> list[dict]:
-    from h3_fused.kernels import triton_modulation as tm
-
-    original = tm.launch_config
     rows = []
-    try:
-        for policy in policies:
-            launch = kernel_launch(site, inputs, policy)
-            for config in sweep_configs():
-                tm.launch_config = lambda h, has_gate, rows, c=config: c
-                compiled = launch()
-                ms = graph_ms(launch)
-                gbs = nbytes / ms / 1e6
-                name = (f"sweep_w{config.num_warps}_chunk{config.chunk}"
-                        + ("_fp32" if policy == "fp32" else ""))
-                rows.append(dict(site=site, T=tokens, variant=name, policy=policy, ms=ms, gbs=gbs, roof_gbs=roof,
-                                 roof_share=gbs / roof, mismatch=None, regs=compiled.n_regs,
-                                 spills=compiled.n_spills))
-                print(f"   {name:36s} {ms * 1e3:8.1f} us {100 * gbs / roof:5.1f}% "
-                      f"regs {compiled.n_regs} spills {compiled.n_spills}", flush=True)
-    finally:
-        tm.launch_config = original
+    for policy in policies:
+        for config in sweep_configs():
+            launch = with_launch_config(kernel_launch(site, inputs, policy), config)
+            compiled = launch()
+            ms = graph_ms(launch)
+            gbs = nbytes / ms / 1e6
+            name = f"sweep_w{config.num_warps}_chunk{config.chunk}" + ("_fp32" if policy == "fp32" else "")
+            rows.append(dict(site=site, T=tokens, variant=name, policy=policy, ms=ms, gbs=gbs, roof_gbs=roof,
+                             roof_share=gbs / roof, mismatch=None, regs=compiled.n_regs, spills=compiled.n_spills))
+            print(f"   {name:36s} {ms * 1e3:8.1f} us {100 * gbs / roof:5.1f}% "
+                  f"regs {compiled.n_regs} spills {compiled.n_spills}", flush=True)
     return rows
 
 

@@ -37,7 +37,7 @@ import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_ops import HIDDEN, graph_ms  # noqa: E402
-from sites import kernel_launch, make_inputs, minimal_bytes  # noqa: E402
+from sites import LaunchOptions, kernel_launch, make_inputs, minimal_bytes, with_launch_config  # noqa: E402
 
 TOKENS = (1024, 3072, 6144, 9216, 15808)
 WORK = ("copy", "norm", "modulate")
@@ -110,36 +110,6 @@ def probe(work: str, inputs: dict, times: torch.Tensor | None = None):
     return run
 
 
-class RegisterCap:
-    """A ``wrap`` for ``launch_modulation`` that caps the kernel's registers per thread (ptxas
-    ``.maxnreg``): more programs resident per SM, if it does not spill."""
-
-    def __init__(self, registers):
-        self.registers = registers
-
-    def __call__(self, kernel):
-        self.kernel = kernel
-        return self
-
-    def __getitem__(self, grid):
-        return lambda *args, **kwargs: self.kernel[grid](*args, maxnreg=self.registers, **kwargs)
-
-
-def with_launch_config(launch, config):
-    """``launch`` with ``launch_config`` answering ``config``."""
-    from h3_fused.kernels import triton_modulation as tm
-
-    def run():
-        original = tm.launch_config
-        tm.launch_config = lambda hidden, has_gate, rows: config
-        try:
-            return launch()
-        finally:
-            tm.launch_config = original
-
-    return run
-
-
 def timeline_summary(times: torch.Tensor) -> dict:
     """Phases and the number of programs loading over time, from ``[programs, 4]`` records (start,
     row loaded, end in ns; SM)."""
@@ -180,7 +150,7 @@ def main():
         dst = torch.empty_like(src)
         runs = {"copy_same_bytes": lambda: dst.copy_(src), "shipped_bf16": kernel_launch(site, inputs, "bf16")}
         caps = args.register_caps or ((48, 56, 64) if site == "A" else (32, 40))
-        runs |= {f"shipped_bf16_maxnreg{n}": kernel_launch(site, inputs, "bf16", RegisterCap(n)) for n in caps if n}
+        runs |= {f"shipped_bf16_maxnreg{n}": kernel_launch(site, inputs, "bf16", LaunchOptions(maxnreg=n)) for n in caps if n}
         runs["shipped_fp32"] = kernel_launch(site, inputs, "fp32")
         runs["shipped_bf16_one_table_row"] = kernel_launch(site, dict(inputs, index=torch.zeros_like(inputs["index"])),
                                                            "bf16")

@@ -13,18 +13,23 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from h3_fused.kernels import triton_modulation as tm  # noqa: E402
-from sites import fused_site, make_inputs  # noqa: E402
+from h3_fused.kernels.triton_modulation import launch_config as shipped  # noqa: E402
+from sites import fused_site, launch_config_answering, make_inputs  # noqa: E402
 
-choose = tm.launch_config
-for as_if_many_rows in (False, True):
-    tm.launch_config = (lambda hidden, has_gate, rows: choose(hidden, has_gate, None)) if as_if_many_rows else choose
-    for hidden in (64, 101, 200, 5376):
-        for tokens in (1, 3, 257):
-            for site in ("A", "B", "C"):
-                for policy in ("bf16", "fp32"):
-                    inputs = make_inputs(site, tokens, hidden, table_rows=3, seed=tokens)
-                    inputs["index"][-1] = 2  # the last row reads the last table row
-                    fused_site(site, policy)(**inputs)
+
+def many_rows(hidden, has_gate, rows):
+    """The configuration ``launch_config`` picks for many rows (or a symbolic count)."""
+    return shipped(hidden, has_gate, None)
+
+
+for choose in (shipped, many_rows):
+    with launch_config_answering(choose):
+        for hidden in (64, 101, 200, 5376):
+            for tokens in (1, 3, 257):
+                for site in ("A", "B", "C"):
+                    for policy in ("bf16", "fp32"):
+                        inputs = make_inputs(site, tokens, hidden, table_rows=3, seed=tokens)
+                        inputs["index"][-1] = 2  # the last row reads the last table row
+                        fused_site(site, policy)(**inputs)
 torch.cuda.synchronize()
 print("sanitize: all launches done")

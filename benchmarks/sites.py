@@ -6,6 +6,8 @@ replaces; ``make_inputs`` builds real-size inputs (strided ``[K, H]`` chunk view
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import sys
 
 import torch
@@ -77,6 +79,46 @@ def kernel_launch(site: str, inputs: dict, policy: str, wrap=lambda kernel: kern
     u = torch.empty(a.out_shape, dtype=a.dtype, device=a.device) if site != "A" else None
     y = torch.empty(a.out_shape, dtype=a.dtype, device=a.device) if site != "C" else None
     return lambda: launch_modulation(a, u, y, wrap)
+
+
+class LaunchOptions:
+    """A ``wrap`` for ``launch_modulation`` that launches the kernel with extra Triton launch options, e.g.
+    ``debug=False`` (no index assertion, and none of the int32 overflow checks Triton adds in debug
+    mode) or ``maxnreg=64`` (ptxas caps the registers per thread)."""
+
+    def __init__(self, **options):
+        self.options = options
+
+    def __call__(self, kernel):
+        self.kernel = kernel
+        return self
+
+    def __getitem__(self, grid):
+        return functools.partial(self.kernel[grid], **self.options)
+
+
+@contextlib.contextmanager
+def launch_config_answering(choose):
+    """Within the block, the kernel's ``launch_config(hidden, has_gate, rows)`` answers ``choose``'s
+    configuration instead of its own."""
+    from h3_fused.kernels import triton_modulation as tm
+
+    original = tm.launch_config
+    tm.launch_config = choose
+    try:
+        yield
+    finally:
+        tm.launch_config = original
+
+
+def with_launch_config(launch, config):
+    """``launch`` (e.g. a ``kernel_launch``) run with the launch configuration ``config``."""
+
+    def run():
+        with launch_config_answering(lambda hidden, has_gate, rows: config):
+            return launch()
+
+    return run
 
 
 def minimal_bytes(site: str, tokens: int, hidden: int, itemsize: int = 2) -> int:
