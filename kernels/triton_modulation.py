@@ -26,6 +26,7 @@ launches, and Inductor compiles it with assertions on (``assert_indirect_indexin
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -172,10 +173,39 @@ def modulation_kernel(
     HIDDEN: tl.constexpr, HAS_GATE: tl.constexpr, HAS_NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr,
     ROUND_GATE: tl.constexpr, ROUND_NORM: tl.constexpr, ROUND_NORM_BEFORE_WEIGHT: tl.constexpr,
     ROUND_AFFINE: tl.constexpr, FUSE_MULTIPLY_ADD: tl.constexpr, PORTABLE: tl.constexpr, BLOCK_T: tl.constexpr,
+    CHUNK: tl.constexpr, STAGES: tl.constexpr,
+):
+    if STAGES == 1:
+        _modulate_rows(
+            x_ptr, res_ptr, branch_ptr, gate_ptr, w_ptr, shift_ptr, scale_ptr, idx_ptr, u_ptr, y_ptr,
+            tl.program_id(0), n_rows, num_table_rows, eps,
+            stride_x, stride_res, stride_branch, stride_gate, stride_shift, stride_scale,
+            HIDDEN, HAS_GATE, HAS_NORM, HAS_WEIGHT, ROUND_GATE, ROUND_NORM, ROUND_NORM_BEFORE_WEIGHT,
+            ROUND_AFFINE, FUSE_MULTIPLY_ADD, PORTABLE, BLOCK_T, CHUNK,
+        )
+    else:
+        for block in tl.range(tl.program_id(0), tl.cdiv(n_rows, BLOCK_T), tl.num_programs(0), num_stages=STAGES):
+            _modulate_rows(
+                x_ptr, res_ptr, branch_ptr, gate_ptr, w_ptr, shift_ptr, scale_ptr, idx_ptr, u_ptr, y_ptr,
+                block, n_rows, num_table_rows, eps,
+                stride_x, stride_res, stride_branch, stride_gate, stride_shift, stride_scale,
+                HIDDEN, HAS_GATE, HAS_NORM, HAS_WEIGHT, ROUND_GATE, ROUND_NORM, ROUND_NORM_BEFORE_WEIGHT,
+                ROUND_AFFINE, FUSE_MULTIPLY_ADD, PORTABLE, BLOCK_T, CHUNK,
+            )
+
+
+@triton.jit
+def _modulate_rows(
+    x_ptr, res_ptr, branch_ptr, gate_ptr, w_ptr, shift_ptr, scale_ptr, idx_ptr, u_ptr, y_ptr,
+    block, n_rows, num_table_rows, eps,
+    stride_x, stride_res, stride_branch, stride_gate, stride_shift, stride_scale,
+    HIDDEN: tl.constexpr, HAS_GATE: tl.constexpr, HAS_NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+    ROUND_GATE: tl.constexpr, ROUND_NORM: tl.constexpr, ROUND_NORM_BEFORE_WEIGHT: tl.constexpr,
+    ROUND_AFFINE: tl.constexpr, FUSE_MULTIPLY_ADD: tl.constexpr, PORTABLE: tl.constexpr, BLOCK_T: tl.constexpr,
     CHUNK: tl.constexpr,
 ):
     act: tl.constexpr = u_ptr.dtype.element_ty
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    rows = tl.cast(block, tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     row_ok = rows < n_rows
     idx = tl.load(idx_ptr + rows, mask=row_ok, other=0).to(tl.int64)
     bad = row_ok & ((idx < 0) | (idx >= num_table_rows))
@@ -218,6 +248,8 @@ class LaunchConfig:
     block_t: int
     chunk: int
     num_warps: int
+    stages: int = 1
+    programs_per_sm: int | None = None
 
 
 def launch_config(hidden: int, has_gate: bool, rows: int | None) -> LaunchConfig:
@@ -260,11 +292,18 @@ def specialisation(hidden: int, has_gate: bool, has_norm: bool, has_weight: bool
         ROUND_GATE=rounding.gate_product, ROUND_NORM=rounding.norm_output,
         ROUND_NORM_BEFORE_WEIGHT=rounding.norm_before_weight, ROUND_AFFINE=rounding.affine,
         FUSE_MULTIPLY_ADD=rounding.fused_multiply_add, PORTABLE=portable, BLOCK_T=config.block_t, CHUNK=config.chunk,
+        STAGES=config.stages,
     )
 
 
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@functools.lru_cache
+def multiprocessors(device: torch.device) -> int:
+    """The device's streaming multiprocessors; 1 under the interpreter, which runs programs one by one."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
 def launch_modulation(a: ModulationArgs, u: torch.Tensor | None, y: torch.Tensor | None, wrap):
@@ -284,7 +323,10 @@ def launch_modulation(a: ModulationArgs, u: torch.Tensor | None, y: torch.Tensor
 
     x, res, branch = rows_or_alias(a.x), rows_or_alias(a.residual), rows_or_alias(a.branch)
     gate, shift, scale = table_or_alias(a.gate), table_or_alias(a.shift), table_or_alias(a.scale)
-    return wrap(modulation_kernel)[(triton.cdiv(a.rows, config.block_t),)](
+    blocks = triton.cdiv(a.rows, config.block_t)
+    if config.programs_per_sm is not None:
+        blocks = torch.sym_min(blocks, config.programs_per_sm * multiprocessors(a.device))
+    return wrap(modulation_kernel)[(blocks,)](
         x, res, branch, gate, table_or_alias(a.weight), shift, scale, a.index,
         y if u is None else u, u if y is None else y,
         a.rows, a.num_table_rows, a.eps,
