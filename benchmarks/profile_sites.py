@@ -1,9 +1,10 @@
-"""One launch of each site's ``bf16`` kernel and of the hand-fused baseline at T = 15,808, for ``ncu``.
+"""One launch of each site's ``bf16`` kernel and of the hand-fused baseline (T = 15,808 by default), for ``ncu``.
 
     ncu --clock-control none --section SpeedOfLight --section WarpStateStats \
-        -k 'regex:modulation_kernel|one_row_kernel' python benchmarks/profile_sites.py
+        -k 'regex:modulation_kernel|one_row_kernel' python benchmarks/profile_sites.py [--tokens T] [--sites A B C]
 """
 
+import argparse
 import os
 import sys
 
@@ -13,8 +14,12 @@ sys.path.insert(0, os.path.dirname(__file__))
 from hand_fused import hand_fused_site  # noqa: E402
 from sites import SITES, fused_site, make_inputs  # noqa: E402
 
-for site in SITES:
-    inputs = make_inputs(site, 15808)
+parser = argparse.ArgumentParser()
+parser.add_argument("--tokens", type=int, default=15808)
+parser.add_argument("--sites", nargs="+", default=list(SITES), choices=SITES)
+args = parser.parse_args()
+for site in args.sites:
+    inputs = make_inputs(site, args.tokens)
     fused_site(site, "bf16")(**inputs)
     hand_fused_site(site)(**inputs)
 torch.cuda.synchronize()

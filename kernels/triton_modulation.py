@@ -26,7 +26,6 @@ launches, and Inductor compiles it with assertions on (``assert_indirect_indexin
 
 from __future__ import annotations
 
-import functools
 import os
 from dataclasses import dataclass
 
@@ -84,6 +83,28 @@ def _rsqrt(v, PORTABLE: tl.constexpr):
     if PORTABLE:
         return tl.rsqrt(v)
     return libdevice.rsqrt(v)
+
+
+@triton.jit
+def _prefetch_table_rows(scale_ptr, shift_ptr, w_ptr, idx, stride_scale, stride_shift, HIDDEN: tl.constexpr,
+                         HAS_WEIGHT: tl.constexpr, MODE: tl.constexpr):
+    """Bring the row's ``scale[i]``, ``shift[i]`` (and weight) lines toward the SM without holding registers:
+    one instruction per 128-byte line, spread over the program's threads (no replication). MODE 1:
+    ``prefetch.global.L1``; MODE 2: ``prefetch.global.L2``."""
+    per_line: tl.constexpr = 1024 // scale_ptr.dtype.element_ty.primitive_bitwidth
+    lines: tl.constexpr = (HIDDEN + per_line - 1) // per_line
+    t = tl.arange(0, triton.next_power_of_2(3 * lines))
+    which = t // lines
+    col = (t % lines).to(tl.int64) * per_line
+    row = tl.sum(idx, axis=0)
+    ptr = tl.where(which == 0, scale_ptr + row * stride_scale, tl.where(which == 1, shift_ptr + row * stride_shift,
+                                                                     w_ptr)) + tl.minimum(col, HIDDEN - 1)
+    wanted = (which < 2) | ((which == 2) & HAS_WEIGHT)
+    if MODE == 1:
+        asm: tl.constexpr = "{ .reg .pred p; setp.ne.s32 p, $2, 0; @p prefetch.global.L1 [$1]; } mov.u32 $0, 0;"
+    else:
+        asm: tl.constexpr = "{ .reg .pred p; setp.ne.s32 p, $2, 0; @p prefetch.global.L2 [$1]; } mov.u32 $0, 0;"
+    tl.inline_asm_elementwise(asm, "=r,l,r", [ptr, wanted.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -173,39 +194,10 @@ def modulation_kernel(
     HIDDEN: tl.constexpr, HAS_GATE: tl.constexpr, HAS_NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr,
     ROUND_GATE: tl.constexpr, ROUND_NORM: tl.constexpr, ROUND_NORM_BEFORE_WEIGHT: tl.constexpr,
     ROUND_AFFINE: tl.constexpr, FUSE_MULTIPLY_ADD: tl.constexpr, PORTABLE: tl.constexpr, BLOCK_T: tl.constexpr,
-    CHUNK: tl.constexpr, STAGES: tl.constexpr,
-):
-    if STAGES == 1:
-        _modulate_rows(
-            x_ptr, res_ptr, branch_ptr, gate_ptr, w_ptr, shift_ptr, scale_ptr, idx_ptr, u_ptr, y_ptr,
-            tl.program_id(0), n_rows, num_table_rows, eps,
-            stride_x, stride_res, stride_branch, stride_gate, stride_shift, stride_scale,
-            HIDDEN, HAS_GATE, HAS_NORM, HAS_WEIGHT, ROUND_GATE, ROUND_NORM, ROUND_NORM_BEFORE_WEIGHT,
-            ROUND_AFFINE, FUSE_MULTIPLY_ADD, PORTABLE, BLOCK_T, CHUNK,
-        )
-    else:
-        for block in tl.range(tl.program_id(0), tl.cdiv(n_rows, BLOCK_T), tl.num_programs(0), num_stages=STAGES):
-            _modulate_rows(
-                x_ptr, res_ptr, branch_ptr, gate_ptr, w_ptr, shift_ptr, scale_ptr, idx_ptr, u_ptr, y_ptr,
-                block, n_rows, num_table_rows, eps,
-                stride_x, stride_res, stride_branch, stride_gate, stride_shift, stride_scale,
-                HIDDEN, HAS_GATE, HAS_NORM, HAS_WEIGHT, ROUND_GATE, ROUND_NORM, ROUND_NORM_BEFORE_WEIGHT,
-                ROUND_AFFINE, FUSE_MULTIPLY_ADD, PORTABLE, BLOCK_T, CHUNK,
-            )
-
-
-@triton.jit
-def _modulate_rows(
-    x_ptr, res_ptr, branch_ptr, gate_ptr, w_ptr, shift_ptr, scale_ptr, idx_ptr, u_ptr, y_ptr,
-    block, n_rows, num_table_rows, eps,
-    stride_x, stride_res, stride_branch, stride_gate, stride_shift, stride_scale,
-    HIDDEN: tl.constexpr, HAS_GATE: tl.constexpr, HAS_NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-    ROUND_GATE: tl.constexpr, ROUND_NORM: tl.constexpr, ROUND_NORM_BEFORE_WEIGHT: tl.constexpr,
-    ROUND_AFFINE: tl.constexpr, FUSE_MULTIPLY_ADD: tl.constexpr, PORTABLE: tl.constexpr, BLOCK_T: tl.constexpr,
-    CHUNK: tl.constexpr,
+    CHUNK: tl.constexpr, PREFETCH_TABLES: tl.constexpr,
 ):
     act: tl.constexpr = u_ptr.dtype.element_ty
-    rows = tl.cast(block, tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     row_ok = rows < n_rows
     idx = tl.load(idx_ptr + rows, mask=row_ok, other=0).to(tl.int64)
     bad = row_ok & ((idx < 0) | (idx >= num_table_rows))
@@ -222,6 +214,9 @@ def _modulate_rows(
         if HAS_NORM:
             squares += u * u
         kept = kept + (u.to(act),)
+    if HAS_NORM and PREFETCH_TABLES > 0 and not PORTABLE:
+        _prefetch_table_rows(scale_ptr, shift_ptr, w_ptr, idx, stride_scale, stride_shift, HIDDEN, HAS_WEIGHT,
+                             PREFETCH_TABLES)
     if HAS_GATE:  # after every chunk's loads: a store may alias them, so no load could move above it
         for c in tl.static_range(triton.cdiv(HIDDEN, CHUNK)):
             lanes, mask = _chunk(c, row_ok, CHUNK, HIDDEN)
@@ -248,8 +243,7 @@ class LaunchConfig:
     block_t: int
     chunk: int
     num_warps: int
-    stages: int = 1
-    programs_per_sm: int | None = None
+    prefetch_tables: int = 0
 
 
 def launch_config(hidden: int, has_gate: bool, rows: int | None) -> LaunchConfig:
@@ -292,18 +286,12 @@ def specialisation(hidden: int, has_gate: bool, has_norm: bool, has_weight: bool
         ROUND_GATE=rounding.gate_product, ROUND_NORM=rounding.norm_output,
         ROUND_NORM_BEFORE_WEIGHT=rounding.norm_before_weight, ROUND_AFFINE=rounding.affine,
         FUSE_MULTIPLY_ADD=rounding.fused_multiply_add, PORTABLE=portable, BLOCK_T=config.block_t, CHUNK=config.chunk,
-        STAGES=config.stages,
+        PREFETCH_TABLES=config.prefetch_tables,
     )
 
 
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-@functools.lru_cache
-def multiprocessors(device: torch.device) -> int:
-    """The device's streaming multiprocessors; 1 under the interpreter, which runs programs one by one."""
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
 def launch_modulation(a: ModulationArgs, u: torch.Tensor | None, y: torch.Tensor | None, wrap):
@@ -323,10 +311,7 @@ def launch_modulation(a: ModulationArgs, u: torch.Tensor | None, y: torch.Tensor
 
     x, res, branch = rows_or_alias(a.x), rows_or_alias(a.residual), rows_or_alias(a.branch)
     gate, shift, scale = table_or_alias(a.gate), table_or_alias(a.shift), table_or_alias(a.scale)
-    blocks = triton.cdiv(a.rows, config.block_t)
-    if config.programs_per_sm is not None:
-        blocks = torch.sym_min(blocks, config.programs_per_sm * multiprocessors(a.device))
-    return wrap(modulation_kernel)[(blocks,)](
+    return wrap(modulation_kernel)[(triton.cdiv(a.rows, config.block_t),)](
         x, res, branch, gate, table_or_alias(a.weight), shift, scale, a.index,
         y if u is None else u, u if y is None else y,
         a.rows, a.num_table_rows, a.eps,
