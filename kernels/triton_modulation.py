@@ -86,28 +86,6 @@ def _rsqrt(v, PORTABLE: tl.constexpr):
 
 
 @triton.jit
-def _prefetch_table_rows(scale_ptr, shift_ptr, w_ptr, idx, stride_scale, stride_shift, HIDDEN: tl.constexpr,
-                         HAS_WEIGHT: tl.constexpr, MODE: tl.constexpr):
-    """Bring the row's ``scale[i]``, ``shift[i]`` (and weight) lines toward the SM without holding registers:
-    one instruction per 128-byte line, spread over the program's threads (no replication). MODE 1:
-    ``prefetch.global.L1``; MODE 2: ``prefetch.global.L2``."""
-    per_line: tl.constexpr = 1024 // scale_ptr.dtype.element_ty.primitive_bitwidth
-    lines: tl.constexpr = (HIDDEN + per_line - 1) // per_line
-    t = tl.arange(0, triton.next_power_of_2(3 * lines))
-    which = t // lines
-    col = (t % lines).to(tl.int64) * per_line
-    row = tl.sum(idx, axis=0)
-    ptr = tl.where(which == 0, scale_ptr + row * stride_scale, tl.where(which == 1, shift_ptr + row * stride_shift,
-                                                                     w_ptr)) + tl.minimum(col, HIDDEN - 1)
-    wanted = (which < 2) | ((which == 2) & HAS_WEIGHT)
-    if MODE == 1:
-        asm: tl.constexpr = "{ .reg .pred p; setp.ne.s32 p, $2, 0; @p prefetch.global.L1 [$1]; } mov.u32 $0, 0;"
-    else:
-        asm: tl.constexpr = "{ .reg .pred p; setp.ne.s32 p, $2, 0; @p prefetch.global.L2 [$1]; } mov.u32 $0, 0;"
-    tl.inline_asm_elementwise(asm, "=r,l,r", [ptr, wanted.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def _chunk(c: tl.constexpr, row_ok, CHUNK: tl.constexpr, HIDDEN: tl.constexpr):
     """The lanes of chunk ``c`` (its columns are ``c * CHUNK + lanes``) and the load/store mask (a column
     test only in the chunk that crosses ``H``).
@@ -194,7 +172,7 @@ def modulation_kernel(
     HIDDEN: tl.constexpr, HAS_GATE: tl.constexpr, HAS_NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr,
     ROUND_GATE: tl.constexpr, ROUND_NORM: tl.constexpr, ROUND_NORM_BEFORE_WEIGHT: tl.constexpr,
     ROUND_AFFINE: tl.constexpr, FUSE_MULTIPLY_ADD: tl.constexpr, PORTABLE: tl.constexpr, BLOCK_T: tl.constexpr,
-    CHUNK: tl.constexpr, PREFETCH_TABLES: tl.constexpr,
+    CHUNK: tl.constexpr,
 ):
     act: tl.constexpr = u_ptr.dtype.element_ty
     rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -214,9 +192,6 @@ def modulation_kernel(
         if HAS_NORM:
             squares += u * u
         kept = kept + (u.to(act),)
-    if HAS_NORM and PREFETCH_TABLES > 0 and not PORTABLE:
-        _prefetch_table_rows(scale_ptr, shift_ptr, w_ptr, idx, stride_scale, stride_shift, HIDDEN, HAS_WEIGHT,
-                             PREFETCH_TABLES)
     if HAS_GATE:  # after every chunk's loads: a store may alias them, so no load could move above it
         for c in tl.static_range(triton.cdiv(HIDDEN, CHUNK)):
             lanes, mask = _chunk(c, row_ok, CHUNK, HIDDEN)
@@ -243,7 +218,6 @@ class LaunchConfig:
     block_t: int
     chunk: int
     num_warps: int
-    prefetch_tables: int = 0
 
 
 def launch_config(hidden: int, has_gate: bool, rows: int | None) -> LaunchConfig:
@@ -264,8 +238,9 @@ def launch_config(hidden: int, has_gate: bool, rows: int | None) -> LaunchConfig
     and slower: 1 and 2 warps, the row as one padded block, every ``y`` store after every table load, two
     rows per program, 16 warps, programs that loop over rows loading the next row's activations first,
     the table rows loaded before the norm's reduction (runs 6 and 22), the table rows prefetched to L2 or
-    touched first (runs 19, 20), registers capped below the build's (run 21), and evict-first/evict-last
-    cache hints.
+    touched first (runs 19, 20), registers capped below the build's (run 21), evict-first/evict-last
+    cache hints, persistent programs whose row loop Triton pipelines through shared memory (run 26), and
+    the table rows prefetched line by line into L1 (run 27).
     """
     padded = triton.next_power_of_2(int(hidden))  # H is a constexpr: specialised, never symbolic
     if padded > MAX_BLOCK_H:
@@ -286,7 +261,6 @@ def specialisation(hidden: int, has_gate: bool, has_norm: bool, has_weight: bool
         ROUND_GATE=rounding.gate_product, ROUND_NORM=rounding.norm_output,
         ROUND_NORM_BEFORE_WEIGHT=rounding.norm_before_weight, ROUND_AFFINE=rounding.affine,
         FUSE_MULTIPLY_ADD=rounding.fused_multiply_add, PORTABLE=portable, BLOCK_T=config.block_t, CHUNK=config.chunk,
-        PREFETCH_TABLES=config.prefetch_tables,
     )
 
 
