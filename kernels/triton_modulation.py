@@ -130,28 +130,34 @@ def _new_residual(
 
 
 @triton.jit
+def _table_chunk(w_ptr, shift_ptr, scale_ptr, idx, start: tl.constexpr, lanes, mask, stride_shift, stride_scale,
+                 HIDDEN: tl.constexpr, HAS_WEIGHT: tl.constexpr):
+    """One chunk of the weight (``[1, CHUNK]``, in the activations' layout), ``scale[i]`` and ``shift[i]``."""
+    if HAS_WEIGHT:
+        w = tl.load(w_ptr + start + lanes[None, :], mask=(lanes < HIDDEN - start)[None, :], other=0.0)
+    else:
+        w = 0.0
+    scale = tl.load(scale_ptr + idx[:, None] * stride_scale + start + lanes[None, :], mask=mask, other=0.0)
+    shift = tl.load(shift_ptr + idx[:, None] * stride_shift + start + lanes[None, :], mask=mask, other=0.0)
+    return w, scale, shift
+
+
+@triton.jit
 def _modulated(
-    u, r, w_ptr, shift_ptr, scale_ptr, y_ptr, idx, zero, start: tl.constexpr, lanes, mask,
-    stride_shift, stride_scale,
-    HIDDEN: tl.constexpr, HAS_WEIGHT: tl.constexpr, ROUND_NORM: tl.constexpr,
+    u, r, w, scale, shift, act: tl.constexpr, zero,
+    HAS_WEIGHT: tl.constexpr, ROUND_NORM: tl.constexpr,
     ROUND_NORM_BEFORE_WEIGHT: tl.constexpr, ROUND_AFFINE: tl.constexpr, FUSE_MULTIPLY_ADD: tl.constexpr,
     PORTABLE: tl.constexpr,
 ):
     """One chunk of ``y = R(R(norm(u)) * R(1 + scale[i]) + shift[i])`` (roundings as the flags say), returned
     in the activation dtype for the caller to store."""
-    act: tl.constexpr = y_ptr.dtype.element_ty
     n = u * r[:, None]
     if HAS_WEIGHT:
-        # loaded as a [1, CHUNK] row, in the layout of the activations (a 1-D load would be converted
-        # through shared memory, with barriers, in every chunk)
-        w = tl.load(w_ptr + start + lanes[None, :], mask=(lanes < HIDDEN - start)[None, :], other=0.0).to(tl.float32)
         if ROUND_NORM_BEFORE_WEIGHT:
             n = _rounded(n, act, PORTABLE)
-        n = n * w
+        n = n * w.to(tl.float32)
     if ROUND_NORM:
         n = _rounded(n, act, PORTABLE)
-    scale = tl.load(scale_ptr + idx[:, None] * stride_scale + start + lanes[None, :], mask=mask, other=0.0)
-    shift = tl.load(shift_ptr + idx[:, None] * stride_shift + start + lanes[None, :], mask=mask, other=0.0)
     p = 1.0 + scale.to(tl.float32)
     if ROUND_AFFINE:
         p = _rounded(p, act, PORTABLE)
@@ -172,7 +178,7 @@ def modulation_kernel(
     HIDDEN: tl.constexpr, HAS_GATE: tl.constexpr, HAS_NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr,
     ROUND_GATE: tl.constexpr, ROUND_NORM: tl.constexpr, ROUND_NORM_BEFORE_WEIGHT: tl.constexpr,
     ROUND_AFFINE: tl.constexpr, FUSE_MULTIPLY_ADD: tl.constexpr, PORTABLE: tl.constexpr, BLOCK_T: tl.constexpr,
-    CHUNK: tl.constexpr,
+    CHUNK: tl.constexpr, LOOKAHEAD: tl.constexpr, EARLY_FIRST: tl.constexpr,
 ):
     act: tl.constexpr = u_ptr.dtype.element_ty
     rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -192,6 +198,10 @@ def modulation_kernel(
         if HAS_NORM:
             squares += u * u
         kept = kept + (u.to(act),)
+    if HAS_NORM and EARLY_FIRST:
+        lanes, mask = _chunk(0, row_ok, CHUNK, HIDDEN)
+        tables = _table_chunk(w_ptr, shift_ptr, scale_ptr, idx, 0, lanes, mask, stride_shift, stride_scale, HIDDEN,
+                              HAS_WEIGHT)
     if HAS_GATE:  # after every chunk's loads: a store may alias them, so no load could move above it
         for c in tl.static_range(triton.cdiv(HIDDEN, CHUNK)):
             lanes, mask = _chunk(c, row_ok, CHUNK, HIDDEN)
@@ -203,12 +213,27 @@ def modulation_kernel(
         # fp32 constants and scalars (Inductor may pass eps as a constexpr float, which computes in fp64)
         mean_square = tl.sum(squares, axis=1) * tl.cast(1.0 / HIDDEN, tl.float32)
         r = _rsqrt(mean_square + tl.cast(eps, tl.float32), PORTABLE)
-        for c in tl.static_range(triton.cdiv(HIDDEN, CHUNK)):
+        chunks: tl.constexpr = triton.cdiv(HIDDEN, CHUNK)
+        if not EARLY_FIRST:
+            lanes, mask = _chunk(0, row_ok, CHUNK, HIDDEN)
+            tables = _table_chunk(w_ptr, shift_ptr, scale_ptr, idx, 0, lanes, mask, stride_shift, stride_scale,
+                                  HIDDEN, HAS_WEIGHT)
+        for c in tl.static_range(chunks):
             lanes, mask = _chunk(c, row_ok, CHUNK, HIDDEN)
-            y = _modulated(kept[c].to(tl.float32), r, w_ptr, shift_ptr, scale_ptr, y_ptr, idx, zero, c * CHUNK, lanes,
-                           mask, stride_shift, stride_scale, HIDDEN, HAS_WEIGHT, ROUND_NORM, ROUND_NORM_BEFORE_WEIGHT,
-                           ROUND_AFFINE, FUSE_MULTIPLY_ADD, PORTABLE)
+            if LOOKAHEAD and c + 1 < chunks:
+                next_lanes, next_mask = _chunk(c + 1, row_ok, CHUNK, HIDDEN)
+                next_tables = _table_chunk(w_ptr, shift_ptr, scale_ptr, idx, (c + 1) * CHUNK, next_lanes, next_mask,
+                                           stride_shift, stride_scale, HIDDEN, HAS_WEIGHT)
+            y = _modulated(kept[c].to(tl.float32), r, tables[0], tables[1], tables[2], act, zero, HAS_WEIGHT,
+                           ROUND_NORM, ROUND_NORM_BEFORE_WEIGHT, ROUND_AFFINE, FUSE_MULTIPLY_ADD, PORTABLE)
             tl.store(y_ptr + rows[:, None] * HIDDEN + c * CHUNK + lanes[None, :], y, mask=mask)
+            if c + 1 < chunks:
+                if LOOKAHEAD:
+                    tables = next_tables
+                else:
+                    next_lanes, next_mask = _chunk(c + 1, row_ok, CHUNK, HIDDEN)
+                    tables = _table_chunk(w_ptr, shift_ptr, scale_ptr, idx, (c + 1) * CHUNK, next_lanes, next_mask,
+                                          stride_shift, stride_scale, HIDDEN, HAS_WEIGHT)
 
 
 @dataclass(frozen=True)
@@ -218,6 +243,8 @@ class LaunchConfig:
     block_t: int
     chunk: int
     num_warps: int
+    lookahead: bool = False
+    early_first: bool = False
 
 
 def launch_config(hidden: int, has_gate: bool, rows: int | None) -> LaunchConfig:
@@ -261,6 +288,7 @@ def specialisation(hidden: int, has_gate: bool, has_norm: bool, has_weight: bool
         ROUND_GATE=rounding.gate_product, ROUND_NORM=rounding.norm_output,
         ROUND_NORM_BEFORE_WEIGHT=rounding.norm_before_weight, ROUND_AFFINE=rounding.affine,
         FUSE_MULTIPLY_ADD=rounding.fused_multiply_add, PORTABLE=portable, BLOCK_T=config.block_t, CHUNK=config.chunk,
+        LOOKAHEAD=config.lookahead, EARLY_FIRST=config.early_first,
     )
 
 

@@ -1,0 +1,63 @@
+"""Side by side: the shipped kernel (``--baseline FILE``, e.g. ``git show REV:kernels/triton_modulation.py``)
+against this kernel's orders of the table loads after the norm (``LaunchConfig.lookahead``: the next
+chunk's weight/scale/shift rows loaded before the current chunk's ``y`` store; ``early_first``: the
+first chunk's loaded with the activations, before the reduction), each on the launch configuration the
+shipped ``launch_config`` picks. Median of ``--rounds`` alternating rounds of device time after an L2
+flush; outputs checked bit-identical to the baseline's.
+
+    python benchmarks/probe_table_order.py --baseline FILE [--rounds 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import statistics
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+from bench_ops import HIDDEN, graph_ms  # noqa: E402
+from sites import kernel_launch, load_kernel_module, make_inputs, with_launch_config  # noqa: E402
+
+ORDERS = {"split": (False, False), "lookahead": (True, False), "early_first": (False, True), "both": (True, True)}
+
+
+def main():
+    from h3_fused.kernels.triton_modulation import launch_config
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--baseline", required=True)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--cases", nargs="+", default=["A:1024", "A:3072", "A:6144", "A:15808", "A:63232",
+                                                        "B:3072", "B:15808", "B:63232"])
+    args = parser.parse_args()
+    baseline = load_kernel_module(args.baseline)
+    for case in args.cases:
+        site, tokens = case.split(":")
+        tokens = int(tokens)
+        inputs = make_inputs(site, tokens, HIDDEN)
+        shipped = launch_config(HIDDEN, site == "B", tokens)
+        for policy in ("bf16", "fp32"):
+            runs = {"baseline": (kernel_launch(site, inputs, policy, kernel_module=baseline),) * 2}
+            for name, (lookahead, early) in ORDERS.items():
+                base = kernel_launch(site, inputs, policy)
+                config = dataclasses.replace(shipped, lookahead=lookahead, early_first=early)
+                runs[name] = (base, with_launch_config(base, config))
+            outs, regs = {}, {}
+            for name, (base, run) in runs.items():
+                regs[name] = run().n_regs
+                outs[name] = [t.clone() for t in base.outputs if t is not None]
+            same = all(all(a.equal(b) for a, b in zip(outs["baseline"], o)) for o in outs.values())
+            times = {name: [] for name in runs}
+            for _ in range(args.rounds):
+                for name, (_, run) in runs.items():
+                    times[name].append(graph_ms(run) * 1e3)
+            med = {name: statistics.median(v) for name, v in times.items()}
+            print(f"{site} T={tokens:6d} {policy} w{shipped.num_warps} " + "  ".join(
+                f"{n} {m:6.1f} us {m / med['baseline'] - 1:+.1%} r{regs[n]}" for n, m in med.items())
+                + f"  identical: {same}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
