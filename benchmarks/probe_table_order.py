@@ -1,8 +1,7 @@
 """Side by side: the shipped kernel (``--baseline FILE``, e.g. ``git show REV:kernels/triton_modulation.py``)
-against this kernel's orders of the table loads after the norm (``LaunchConfig.lookahead``: the next
-chunk's weight/scale/shift rows loaded before the current chunk's ``y`` store; ``early_first``: the
-first chunk's loaded with the activations, before the reduction), each on the launch configuration the
-shipped ``launch_config`` picks. Median of ``--rounds`` alternating rounds of device time after an L2
+against this kernel with the table rows loaded ahead and without (``LaunchConfig.tables_ahead``: the
+first chunk's weight/scale/shift rows loaded with the activations, before the reduction, and each next
+chunk's before the current chunk's ``y`` store), each on the warps and chunks ``launch_config`` picks. Median of ``--rounds`` alternating rounds of device time after an L2
 flush; outputs checked bit-identical to the baseline's.
 
     python benchmarks/probe_table_order.py --baseline FILE [--rounds 5]
@@ -20,7 +19,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from bench_ops import HIDDEN, graph_ms  # noqa: E402
 from sites import kernel_launch, load_kernel_module, make_inputs, with_launch_config  # noqa: E402
 
-ORDERS = {"split": (False, False), "lookahead": (True, False), "early_first": (False, True), "both": (True, True)}
+ORDERS = {"tables_after": False, "tables_ahead": True}
 
 
 def main():
@@ -40,9 +39,9 @@ def main():
         shipped = launch_config(HIDDEN, site == "B", tokens)
         for policy in ("bf16", "fp32"):
             runs = {"baseline": (kernel_launch(site, inputs, policy, kernel_module=baseline),) * 2}
-            for name, (lookahead, early) in ORDERS.items():
+            for name, ahead in ORDERS.items():
                 base = kernel_launch(site, inputs, policy)
-                config = dataclasses.replace(shipped, lookahead=lookahead, early_first=early)
+                config = dataclasses.replace(shipped, tables_ahead=ahead)
                 runs[name] = (base, with_launch_config(base, config))
             outs, regs = {}, {}
             for name, (base, run) in runs.items():

@@ -13,8 +13,10 @@ Per row ``t`` (``i = index[t]``, all arithmetic in fp32, ``R`` = round to the ac
                y = R(q + shift[i])             -> stored (A, B)
 
 Each program holds ``BLOCK_T`` whole rows in registers, read in chunks of ``CHUNK`` columns; the chunks
-of ``u`` stay in registers (in the activation dtype) from the sum of squares to the modulation
-(``launch_config`` says why these sizes).
+of ``u`` stay in registers (in the activation dtype) from the sum of squares to the modulation. Each
+chunk's weight, ``scale[i]`` and ``shift[i]`` are loaded just before their use, or ahead
+(``TABLES_AHEAD``: the first chunk's before the reduction, the next chunk's before each ``y`` store);
+the order changes no result (``launch_config`` says why these sizes and orders).
 
 Multiplies feeding an add are never contracted into an FMA (which would remove the fp32 rounding
 eager performs), except under the ``fp32`` policy (``FUSE_MULTIPLY_ADD``: ``residual + g`` and
@@ -37,7 +39,8 @@ from triton.language.extra import libdevice
 from .contract import ModulationArgs, Rounding
 
 MAX_BLOCK_H = 32768
-FEW_ROWS = 6144  # up to this many rows, site A runs on 8 warps (``launch_config``)
+FEW_ROWS = 6144  # up to this many rows site A runs on 8 warps and site B loads its table rows ahead
+FEWEST_ROWS = 1024  # up to this many rows site A loads its table rows ahead too (``launch_config``)
 
 
 @triton.jit
@@ -130,34 +133,50 @@ def _new_residual(
 
 
 @triton.jit
-def _table_chunk(w_ptr, shift_ptr, scale_ptr, idx, start: tl.constexpr, lanes, mask, stride_shift, stride_scale,
-                 HIDDEN: tl.constexpr, HAS_WEIGHT: tl.constexpr):
-    """One chunk of the weight (``[1, CHUNK]``, in the activations' layout), ``scale[i]`` and ``shift[i]``."""
-    if HAS_WEIGHT:
-        w = tl.load(w_ptr + start + lanes[None, :], mask=(lanes < HIDDEN - start)[None, :], other=0.0)
-    else:
-        w = 0.0
-    scale = tl.load(scale_ptr + idx[:, None] * stride_scale + start + lanes[None, :], mask=mask, other=0.0)
-    shift = tl.load(shift_ptr + idx[:, None] * stride_shift + start + lanes[None, :], mask=mask, other=0.0)
-    return w, scale, shift
+def _weight_chunk(w_ptr, start: tl.constexpr, lanes, HIDDEN: tl.constexpr):
+    """The weight's chunk as a ``[1, CHUNK]`` row, in the layout of the activations (a 1-D load would be
+    converted through shared memory, with barriers, in every chunk)."""
+    return tl.load(w_ptr + start + lanes[None, :], mask=(lanes < HIDDEN - start)[None, :], other=0.0)
+
+
+@triton.jit
+def _table_chunk(table_ptr, idx, start: tl.constexpr, lanes, mask, stride):
+    """Chunk ``start`` of row ``idx`` of a ``[K, H]`` table."""
+    return tl.load(table_ptr + idx[:, None] * stride + start + lanes[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
+def _tables_chunk(w_ptr, shift_ptr, scale_ptr, idx, c: tl.constexpr, row_ok, stride_shift, stride_scale,
+                  HIDDEN: tl.constexpr, CHUNK: tl.constexpr, HAS_WEIGHT: tl.constexpr):
+    """Chunk ``c`` of the weight (0.0 without one), ``scale[i]`` and ``shift[i]``, for ``TABLES_AHEAD``."""
+    lanes, mask = _chunk(c, row_ok, CHUNK, HIDDEN)
+    w = _weight_chunk(w_ptr, c * CHUNK, lanes, HIDDEN) if HAS_WEIGHT else 0.0
+    return (w, _table_chunk(scale_ptr, idx, c * CHUNK, lanes, mask, stride_scale),
+            _table_chunk(shift_ptr, idx, c * CHUNK, lanes, mask, stride_shift))
 
 
 @triton.jit
 def _modulated(
-    u, r, w, scale, shift, act: tl.constexpr, zero,
-    HAS_WEIGHT: tl.constexpr, ROUND_NORM: tl.constexpr,
+    u, r, w_ptr, shift_ptr, scale_ptr, y_ptr, idx, zero, start: tl.constexpr, lanes, mask,
+    stride_shift, stride_scale, tables,
+    HIDDEN: tl.constexpr, HAS_WEIGHT: tl.constexpr, ROUND_NORM: tl.constexpr,
     ROUND_NORM_BEFORE_WEIGHT: tl.constexpr, ROUND_AFFINE: tl.constexpr, FUSE_MULTIPLY_ADD: tl.constexpr,
-    PORTABLE: tl.constexpr,
+    PORTABLE: tl.constexpr, TABLES_AHEAD: tl.constexpr,
 ):
     """One chunk of ``y = R(R(norm(u)) * R(1 + scale[i]) + shift[i])`` (roundings as the flags say), returned
-    in the activation dtype for the caller to store."""
+    in the activation dtype for the caller to store. The weight, scale and shift chunks are ``tables``
+    (loaded by the caller) under ``TABLES_AHEAD``, else loaded here, each just before its first use."""
+    act: tl.constexpr = y_ptr.dtype.element_ty
     n = u * r[:, None]
     if HAS_WEIGHT:
+        w = tables[0] if TABLES_AHEAD else _weight_chunk(w_ptr, start, lanes, HIDDEN)
         if ROUND_NORM_BEFORE_WEIGHT:
             n = _rounded(n, act, PORTABLE)
         n = n * w.to(tl.float32)
     if ROUND_NORM:
         n = _rounded(n, act, PORTABLE)
+    scale = tables[1] if TABLES_AHEAD else _table_chunk(scale_ptr, idx, start, lanes, mask, stride_scale)
+    shift = tables[2] if TABLES_AHEAD else _table_chunk(shift_ptr, idx, start, lanes, mask, stride_shift)
     p = 1.0 + scale.to(tl.float32)
     if ROUND_AFFINE:
         p = _rounded(p, act, PORTABLE)
@@ -178,7 +197,7 @@ def modulation_kernel(
     HIDDEN: tl.constexpr, HAS_GATE: tl.constexpr, HAS_NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr,
     ROUND_GATE: tl.constexpr, ROUND_NORM: tl.constexpr, ROUND_NORM_BEFORE_WEIGHT: tl.constexpr,
     ROUND_AFFINE: tl.constexpr, FUSE_MULTIPLY_ADD: tl.constexpr, PORTABLE: tl.constexpr, BLOCK_T: tl.constexpr,
-    CHUNK: tl.constexpr, LOOKAHEAD: tl.constexpr, EARLY_FIRST: tl.constexpr,
+    CHUNK: tl.constexpr, TABLES_AHEAD: tl.constexpr,
 ):
     act: tl.constexpr = u_ptr.dtype.element_ty
     rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -198,10 +217,10 @@ def modulation_kernel(
         if HAS_NORM:
             squares += u * u
         kept = kept + (u.to(act),)
-    if HAS_NORM and EARLY_FIRST:
-        lanes, mask = _chunk(0, row_ok, CHUNK, HIDDEN)
-        tables = _table_chunk(w_ptr, shift_ptr, scale_ptr, idx, 0, lanes, mask, stride_shift, stride_scale, HIDDEN,
-                              HAS_WEIGHT)
+    tables = (0.0, 0.0, 0.0)
+    if HAS_NORM and TABLES_AHEAD:  # the first chunk's table rows arrive while the row is reduced
+        tables = _tables_chunk(w_ptr, shift_ptr, scale_ptr, idx, 0, row_ok, stride_shift, stride_scale, HIDDEN,
+                               CHUNK, HAS_WEIGHT)
     if HAS_GATE:  # after every chunk's loads: a store may alias them, so no load could move above it
         for c in tl.static_range(triton.cdiv(HIDDEN, CHUNK)):
             lanes, mask = _chunk(c, row_ok, CHUNK, HIDDEN)
@@ -214,46 +233,39 @@ def modulation_kernel(
         mean_square = tl.sum(squares, axis=1) * tl.cast(1.0 / HIDDEN, tl.float32)
         r = _rsqrt(mean_square + tl.cast(eps, tl.float32), PORTABLE)
         chunks: tl.constexpr = triton.cdiv(HIDDEN, CHUNK)
-        if not EARLY_FIRST:
-            lanes, mask = _chunk(0, row_ok, CHUNK, HIDDEN)
-            tables = _table_chunk(w_ptr, shift_ptr, scale_ptr, idx, 0, lanes, mask, stride_shift, stride_scale,
-                                  HIDDEN, HAS_WEIGHT)
         for c in tl.static_range(chunks):
             lanes, mask = _chunk(c, row_ok, CHUNK, HIDDEN)
-            if LOOKAHEAD and c + 1 < chunks:
-                next_lanes, next_mask = _chunk(c + 1, row_ok, CHUNK, HIDDEN)
-                next_tables = _table_chunk(w_ptr, shift_ptr, scale_ptr, idx, (c + 1) * CHUNK, next_lanes, next_mask,
-                                           stride_shift, stride_scale, HIDDEN, HAS_WEIGHT)
-            y = _modulated(kept[c].to(tl.float32), r, tables[0], tables[1], tables[2], act, zero, HAS_WEIGHT,
-                           ROUND_NORM, ROUND_NORM_BEFORE_WEIGHT, ROUND_AFFINE, FUSE_MULTIPLY_ADD, PORTABLE)
+            current = tables
+            if TABLES_AHEAD and c + 1 < chunks:  # the next chunk's, before this chunk's store (which may alias them)
+                tables = _tables_chunk(w_ptr, shift_ptr, scale_ptr, idx, c + 1, row_ok, stride_shift, stride_scale,
+                                       HIDDEN, CHUNK, HAS_WEIGHT)
+            y = _modulated(kept[c].to(tl.float32), r, w_ptr, shift_ptr, scale_ptr, y_ptr, idx, zero, c * CHUNK, lanes,
+                           mask, stride_shift, stride_scale, current, HIDDEN, HAS_WEIGHT, ROUND_NORM,
+                           ROUND_NORM_BEFORE_WEIGHT, ROUND_AFFINE, FUSE_MULTIPLY_ADD, PORTABLE, TABLES_AHEAD)
             tl.store(y_ptr + rows[:, None] * HIDDEN + c * CHUNK + lanes[None, :], y, mask=mask)
-            if c + 1 < chunks:
-                if LOOKAHEAD:
-                    tables = next_tables
-                else:
-                    next_lanes, next_mask = _chunk(c + 1, row_ok, CHUNK, HIDDEN)
-                    tables = _table_chunk(w_ptr, shift_ptr, scale_ptr, idx, (c + 1) * CHUNK, next_lanes, next_mask,
-                                          stride_shift, stride_scale, HIDDEN, HAS_WEIGHT)
 
 
 @dataclass(frozen=True)
 class LaunchConfig:
-    """``BLOCK_T`` rows per program, each read in chunks of ``CHUNK`` columns, on ``num_warps`` warps."""
+    """``BLOCK_T`` rows per program, each read in chunks of ``CHUNK`` columns, on ``num_warps`` warps;
+    ``tables_ahead``: the norm's table rows loaded ahead of their use (``launch_config``)."""
 
     block_t: int
     chunk: int
     num_warps: int
-    lookahead: bool = False
-    early_first: bool = False
+    tables_ahead: bool = False
 
 
 def launch_config(hidden: int, has_gate: bool, rows: int | None) -> LaunchConfig:
     """Whole rows in registers, read in chunks of one 16-byte vector per thread (8 bf16), so that only
     the last chunk pads ``H``: one row per program, on 8 warps for sites B and C (their rows are three or
     four streams, A's two) and for site A up to ``FEW_ROWS`` rows, and on 4 warps for site A beyond (more
-    programs resident per SM); rows shorter than the program's lanes share it. ``rows`` is the row
-    count, or None where it is symbolic (a graph compiled for dynamic shapes: the many-rows choice,
-    without a guard on the count).
+    programs resident per SM); rows shorter than the program's lanes share it. The norm's table rows
+    (weight, ``scale[i]``, ``shift[i]``) are loaded ahead (``tables_ahead``: the first chunk's before
+    the reduction, each next chunk's before the current chunk's store; more registers, fewer programs
+    per SM) for site B up to ``FEW_ROWS`` rows and for site A up to ``FEWEST_ROWS``, and each just
+    before its use beyond. ``rows`` is the row count, or None where it is symbolic (a graph compiled
+    for dynamic shapes: the many-rows choice, without a guard on the count).
 
     Every chunk's loads come before the first store of ``u`` (a store may alias a later load, which the
     compiler would then not move above it), and ``y`` is stored chunk by chunk. Measured on the H200 at
@@ -261,7 +273,10 @@ def launch_config(hidden: int, has_gate: bool, rows: int | None) -> LaunchConfig
     share of copy bandwidth: A on 4 warps 70.1 / 93.2 / 96.1% (8 warps 72.8 / 90.7 / 93.6%); B on 8
     warps 84.5 / 95.1 / 97.4% (4 warps 80.9 / 94.0 / 96.7%); C on 8 warps 85.6 / 99.2 / 101.9%. Site A
     on 8 against 4 warps at T = 1,024 / 3,072 / 6,144 / 9,216 / 15,808 (``probe_small_tokens.py``, run
-    21): 10.1 / 20.9 / 37.6 / 53.2 / 88.4 us against 11.6 / 21.6 / 37.9 / 52.4 / 87.0 us. Also measured
+    21): 10.1 / 20.9 / 37.6 / 53.2 / 88.4 us against 11.6 / 21.6 / 37.9 / 52.4 / 87.0 us. Table rows
+    ahead against after, side by side (``probe_table_order.py``, run 30), bf16: B -6.4 / -2.3 / -1.3 /
+    -0.9 / -0.3% at T = 1,024 / 3,072 / 6,144 / 9,216 / 15,808 (+0.8% at 15,808 and +0.2% at 63,232 in
+    run 29); A -8.9% at 1,024 but +3.7 / +6.1% at 2,048 / 3,072. Also measured
     and slower: 1 and 2 warps, the row as one padded block, every ``y`` store after every table load, two
     rows per program, 16 warps, programs that loop over rows loading the next row's activations first,
     the table rows loaded before the norm's reduction (runs 6 and 22), the table rows prefetched to L2 or
@@ -277,7 +292,8 @@ def launch_config(hidden: int, has_gate: bool, rows: int | None) -> LaunchConfig
     per_thread = 32 if has_gate or few_rows else 64
     num_warps = max(1, min(16, block_t * padded // (32 * per_thread)))
     chunk = min(padded, max(1, 32 * num_warps * 8 // block_t))
-    return LaunchConfig(block_t, chunk, num_warps)
+    tables_ahead = few_rows and (has_gate or rows <= FEWEST_ROWS)
+    return LaunchConfig(block_t, chunk, num_warps, tables_ahead)
 
 
 def specialisation(hidden: int, has_gate: bool, has_norm: bool, has_weight: bool, rounding: Rounding,
@@ -288,7 +304,7 @@ def specialisation(hidden: int, has_gate: bool, has_norm: bool, has_weight: bool
         ROUND_GATE=rounding.gate_product, ROUND_NORM=rounding.norm_output,
         ROUND_NORM_BEFORE_WEIGHT=rounding.norm_before_weight, ROUND_AFFINE=rounding.affine,
         FUSE_MULTIPLY_ADD=rounding.fused_multiply_add, PORTABLE=portable, BLOCK_T=config.block_t, CHUNK=config.chunk,
-        LOOKAHEAD=config.lookahead, EARLY_FIRST=config.early_first,
+        TABLES_AHEAD=config.tables_ahead,
     )
 
 

@@ -251,6 +251,7 @@ def test_triton_kernel_logic_under_the_interpreter():
 
 
 CHUNKED = r"""
+import itertools
 import torch
 from h3_fused.kernels import gate_norm_modulate, gate_residual, norm_modulate
 from h3_fused.kernels import triton_modulation as tm
@@ -258,12 +259,13 @@ from h3_fused.kernels.contract import check_args
 from h3_fused.kernels.reference import reference_modulation
 torch.manual_seed(1)
 # rows read in 32-column chunks: H = 101 is four chunks, the last one 5 columns wide
+# (each with its table rows loaded just before their use and ahead of it), with and without a weight
 hidden, tokens = 101, 9
-tm.launch_config = lambda hidden, has_gate, rows: tm.LaunchConfig(1, 32, 1)
-for policy in ("bf16", "fp32"):
+for policy, ahead, w in itertools.product(("bf16", "fp32"), (False, True), (torch.randn(hidden), None)):
+    tm.launch_config = lambda hidden, has_gate, rows: tm.LaunchConfig(1, 32, 1, tables_ahead=ahead)
     x = torch.randn(tokens, hidden).to(torch.bfloat16)
     br = torch.randn(tokens, hidden).to(torch.bfloat16)
-    w = torch.randn(hidden).to(torch.bfloat16)
+    w = None if w is None else w.to(torch.bfloat16)
     t = (0.3 * torch.randn(3, 6 * hidden)).to(torch.bfloat16).chunk(6, -1)
     idx = torch.randint(0, 3, (tokens,))
     kw = dict(eps=1e-5, policy=policy)
@@ -284,7 +286,8 @@ print("chunked rows OK")
 
 
 def test_rows_read_in_chunks_under_the_interpreter():
-    """The chunked path (only the last chunk masked) on a small H, forced by a small chunk width."""
+    """The chunked path (only the last chunk masked) on a small H, forced by a small chunk width, with the
+    table rows loaded before their use and ahead of it, with and without a norm weight."""
     assert "chunked rows OK" in run_interpreted(CHUNKED)
 
 
@@ -295,5 +298,15 @@ def test_launch_config_gives_site_a_more_warps_only_for_few_known_rows():
 
     site_a = [launch_config(5376, False, rows) for rows in (1, FEW_ROWS, FEW_ROWS + 1, None)]
     assert [(c.block_t, c.chunk, c.num_warps) for c in site_a] == [(1, 2048, 8)] * 2 + [(1, 1024, 4)] * 2
-    assert {launch_config(5376, True, rows) for rows in (1, FEW_ROWS + 1, None)} == {launch_config(5376, True, 1)}
-    assert launch_config(5376, True, None).num_warps == 8
+    gated = [launch_config(5376, True, rows) for rows in (1, FEW_ROWS, FEW_ROWS + 1, None)]
+    assert {(c.block_t, c.chunk, c.num_warps) for c in gated} == {(1, 2048, 8)}
+
+
+def test_launch_config_loads_table_rows_ahead_only_for_few_known_rows():
+    """Site B loads its table rows ahead up to ``FEW_ROWS`` rows, site A up to ``FEWEST_ROWS``; neither
+    where the count is symbolic."""
+    from h3_fused.kernels.triton_modulation import FEW_ROWS, FEWEST_ROWS, launch_config
+
+    counts = (1, FEWEST_ROWS, FEWEST_ROWS + 1, FEW_ROWS, FEW_ROWS + 1, None)
+    assert [launch_config(5376, False, rows).tables_ahead for rows in counts] == [True, True] + [False] * 4
+    assert [launch_config(5376, True, rows).tables_ahead for rows in counts] == [True] * 4 + [False] * 2
