@@ -3,8 +3,9 @@
     compute-sanitizer --tool memcheck python benchmarks/sanitize.py
 
 Each launch runs twice: with the configuration ``launch_config`` picks for its few rows, and with the
-one it picks for many rows (or a symbolic count), so that site A's 8-warp and 4-warp builds are both
-checked at the edge sizes.
+one it picks for many rows (or a symbolic count), so that site A's 8-warp and 4-warp builds, and the
+builds of sites A and B that load their table rows ahead and those that load them just before their
+use, are all checked at the edge sizes.
 """
 
 import os
