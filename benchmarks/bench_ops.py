@@ -109,15 +109,17 @@ def run(args) -> list[dict]:
 
 def sweep_configs():
     """The launch configurations the sweep times, one row per program: 1 to 8 warps reading the row in
-    chunks of one 16-byte vector per thread, and 4 and 8 warps reading it as one padded block. Two rows
-    per program and 16 warps lost everywhere in run 2; storing every chunk's ``y`` after the last table
-    load never beat the shipped configuration in run 13; persistent programs with a software-pipelined
-    row loop lost everywhere in run 26."""
+    chunks of one 16-byte vector per thread (on 4 and 8 warps also with the table rows loaded ahead),
+    and 4 and 8 warps reading it as one padded block. Two rows per program and 16 warps lost everywhere
+    in run 2; storing every chunk's ``y`` after the last table load never beat the shipped configuration
+    in run 13; persistent programs with a software-pipelined row loop lost everywhere in run 26."""
     from h3_fused.kernels.triton_modulation import LaunchConfig
 
     padded = triton.next_power_of_2(HIDDEN)
     for warps, chunk in [(w, 32 * w * 8) for w in (1, 2, 4, 8)] + [(4, padded), (8, padded)]:
         yield LaunchConfig(1, chunk, warps)
+    for warps in (4, 8):
+        yield LaunchConfig(1, 32 * warps * 8, warps, tables_ahead=True)
 
 
 def sweep(site, tokens, inputs, nbytes, roof, policies, reference) -> list[dict]:
@@ -134,7 +136,8 @@ def sweep(site, tokens, inputs, nbytes, roof, policies, reference) -> list[dict]
             u, y = base.outputs
             exact = {"mismatch": mismatch(y, reference[1]) if y is not None else mismatch(u, reference[0]),
                      "mismatch_u": mismatch(u, reference[0]) if u is not None else None}
-            name = f"sweep_w{config.num_warps}_chunk{config.chunk}" + ("_fp32" if policy == "fp32" else "")
+            name = (f"sweep_w{config.num_warps}_chunk{config.chunk}" + ("_ahead" if config.tables_ahead else "")
+                    + ("_fp32" if policy == "fp32" else ""))
             rows.append(dict(site=site, T=tokens, variant=name, policy=policy, ms=ms, gbs=gbs, roof_gbs=roof,
                              roof_share=gbs / roof, regs=compiled.n_regs, spills=compiled.n_spills, **exact))
             print(f"   {name:36s} {ms * 1e3:8.1f} us {100 * gbs / roof:5.1f}% "
