@@ -25,7 +25,7 @@ import torch
 import triton
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_ops import HIDDEN, TOKENS, graph_ms  # noqa: E402
+from bench_ops import HIDDEN, TOKENS, alternating_rounds  # noqa: E402
 from sites import SITES, LaunchOptions, kernel_launch, load_kernel_module, make_inputs  # noqa: E402
 
 
@@ -55,10 +55,7 @@ def main():
             asserts = {name: "__assertfail" in run().asm["ptx"] for name, run in runs.items()}
             if asserts != {name: name != "bf16_no_index_check" for name in runs}:
                 raise RuntimeError(f"unexpected assertions in the compiled kernels: {asserts}")
-            times = {name: [] for name in runs}
-            for _ in range(args.rounds):
-                for name, run in runs.items():
-                    times[name].append(graph_ms(run) * 1e3)
+            times = alternating_rounds(runs, args.rounds)
             us = {name: statistics.median(t) for name, t in times.items()}
             rows.append(dict(site=site, T=tokens, us=us, rounds=times, gpu=torch.cuda.get_device_name(),
                              torch=torch.__version__, triton=triton.__version__))

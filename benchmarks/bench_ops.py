@@ -55,6 +55,16 @@ def graph_ms(fn) -> float:
     return both - flush
 
 
+def alternating_rounds(runs: dict, rounds: int) -> dict[str, list[float]]:
+    """Each call of ``runs`` timed with ``graph_ms`` (in us) in ``rounds`` rounds, every round timing them
+    one after the other, so that drift of the GPU's clocks between them cancels in the medians."""
+    times = {name: [] for name in runs}
+    for _ in range(rounds):
+        for name, run in runs.items():
+            times[name].append(graph_ms(run) * 1e3)
+    return times
+
+
 def mismatch(got, ref) -> float:
     return (got.view(torch.int16) != ref.view(torch.int16)).float().mean().item()
 

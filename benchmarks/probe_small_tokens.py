@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_ops import HIDDEN, graph_ms  # noqa: E402
+from bench_ops import HIDDEN, alternating_rounds, graph_ms  # noqa: E402
 from sites import LaunchOptions, kernel_launch, make_inputs, minimal_bytes, with_launch_config  # noqa: E402
 
 TOKENS = (1024, 3072, 6144, 9216, 15808)
@@ -162,10 +162,7 @@ def main():
             compiled = run()
             if hasattr(compiled, "n_regs"):
                 print(f"   {name}: {compiled.n_regs} registers, {compiled.n_spills} spilled", flush=True)
-        times = {name: [] for name in runs}
-        for _ in range(args.rounds):
-            for name, run in runs.items():
-                times[name].append(graph_ms(run) * 1e3)
+        times = alternating_rounds(runs, args.rounds)
         us = {name: statistics.median(t) for name, t in times.items()}
         copy = us["copy_same_bytes"]
         print(f"{site} T={tokens:6d}  " + "  ".join(f"{name} {t:.1f} us ({copy / t:.1%} of copy)" for name, t in us.items()),

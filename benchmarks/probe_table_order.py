@@ -1,8 +1,9 @@
 """Side by side: the shipped kernel (``--baseline FILE``, e.g. ``git show REV:kernels/triton_modulation.py``)
 against this kernel with the table rows loaded ahead and without (``LaunchConfig.tables_ahead``: the
 first chunk's weight/scale/shift rows loaded with the activations, before the reduction, and each next
-chunk's before the current chunk's ``y`` store), each on the warps and chunks ``launch_config`` picks. Median of ``--rounds`` alternating rounds of device time after an L2
-flush; outputs checked bit-identical to the baseline's.
+chunk's before the current chunk's ``y`` store), each on the warps and chunks ``launch_config`` picks.
+Median of ``--rounds`` alternating rounds of device time after an L2 flush; outputs checked
+bit-identical to the baseline's.
 
     python benchmarks/probe_table_order.py --baseline FILE [--rounds 5]
 """
@@ -16,7 +17,7 @@ import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_ops import HIDDEN, graph_ms  # noqa: E402
+from bench_ops import HIDDEN, alternating_rounds  # noqa: E402
 from sites import kernel_launch, load_kernel_module, make_inputs, with_launch_config  # noqa: E402
 
 ORDERS = {"tables_after": False, "tables_ahead": True}
@@ -38,21 +39,15 @@ def main():
         inputs = make_inputs(site, tokens, HIDDEN)
         shipped = launch_config(HIDDEN, site == "B", tokens)
         for policy in ("bf16", "fp32"):
-            runs = {"baseline": (kernel_launch(site, inputs, policy, kernel_module=baseline),) * 2}
+            launches = {"baseline": kernel_launch(site, inputs, policy, kernel_module=baseline)}
+            runs = dict(launches)
             for name, ahead in ORDERS.items():
-                base = kernel_launch(site, inputs, policy)
-                config = dataclasses.replace(shipped, tables_ahead=ahead)
-                runs[name] = (base, with_launch_config(base, config))
-            outs, regs = {}, {}
-            for name, (base, run) in runs.items():
-                regs[name] = run().n_regs
-                outs[name] = [t.clone() for t in base.outputs if t is not None]
+                launches[name] = kernel_launch(site, inputs, policy)
+                runs[name] = with_launch_config(launches[name], dataclasses.replace(shipped, tables_ahead=ahead))
+            regs = {name: run().n_regs for name, run in runs.items()}
+            outs = {name: [t for t in launch.outputs if t is not None] for name, launch in launches.items()}
             same = all(all(a.equal(b) for a, b in zip(outs["baseline"], o)) for o in outs.values())
-            times = {name: [] for name in runs}
-            for _ in range(args.rounds):
-                for name, (_, run) in runs.items():
-                    times[name].append(graph_ms(run) * 1e3)
-            med = {name: statistics.median(v) for name, v in times.items()}
+            med = {name: statistics.median(v) for name, v in alternating_rounds(runs, args.rounds).items()}
             print(f"{site} T={tokens:6d} {policy} w{shipped.num_warps} " + "  ".join(
                 f"{n} {m:6.1f} us {m / med['baseline'] - 1:+.1%} r{regs[n]}" for n, m in med.items())
                 + f"  identical: {same}", flush=True)

@@ -68,9 +68,9 @@ def fused_site(site: str, policy: str):
 def kernel_launch(site: str, inputs: dict, policy: str, wrap=lambda kernel: kernel, kernel_module=None):
     """A call that launches the fused kernel alone on ``inputs`` (arguments checked once, outputs
     allocated once; no op dispatch) and returns what the launch returns (the compiled kernel); the call's
-``outputs`` attribute holds ``(u, y)`` (None where the site has no such output).
-    ``launch_config`` is read at each call, so a benchmark may swap it between calls. ``kernel_module``:
-    another version of ``h3_fused.kernels.triton_modulation`` to launch instead (``load_kernel_module``)."""
+    ``outputs`` attribute holds ``(u, y)`` (None where the site has no such output). ``launch_config`` is
+    read at each call, so a benchmark may swap it between calls. ``kernel_module``: another version of
+    ``h3_fused.kernels.triton_modulation`` to launch instead (``load_kernel_module``)."""
     from h3_fused.kernels import triton_modulation
     from h3_fused.kernels.contract import check_args
 
@@ -79,6 +79,7 @@ def kernel_launch(site: str, inputs: dict, policy: str, wrap=lambda kernel: kern
     a = check_args(**inputs, policy=policy, has_norm=site != "C")
     u = torch.empty(a.out_shape, dtype=a.dtype, device=a.device) if site != "A" else None
     y = torch.empty(a.out_shape, dtype=a.dtype, device=a.device) if site != "C" else None
+
     def launch():
         return launch_modulation(a, u, y, wrap)
 
