@@ -304,7 +304,7 @@ def specialisation(hidden: int, has_gate: bool, has_norm: bool, has_weight: bool
         ROUND_GATE=rounding.gate_product, ROUND_NORM=rounding.norm_output,
         ROUND_NORM_BEFORE_WEIGHT=rounding.norm_before_weight, ROUND_AFFINE=rounding.affine,
         FUSE_MULTIPLY_ADD=rounding.fused_multiply_add, PORTABLE=portable, BLOCK_T=config.block_t, CHUNK=config.chunk,
-        TABLES_AHEAD=config.tables_ahead,
+        TABLES_AHEAD=config.tables_ahead and has_norm,  # no tables without a norm: one build of site C
     )
 
 
