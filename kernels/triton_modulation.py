@@ -106,7 +106,7 @@ def _new_residual(
     x_ptr, res_ptr, branch_ptr, gate_ptr, u_ptr, rows, idx, zero, start: tl.constexpr, lanes, mask,
     stride_x, stride_res, stride_branch, stride_gate,
     HIDDEN: tl.constexpr, HAS_GATE: tl.constexpr, ROUND_GATE: tl.constexpr, FUSE_MULTIPLY_ADD: tl.constexpr,
-    PORTABLE: tl.constexpr, X_CACHE: tl.constexpr,
+    PORTABLE: tl.constexpr,
 ):
     """One chunk of ``u`` (fp32): the gated residual (sites B, C; stored by the caller), or the loaded ``x``.
 
@@ -128,7 +128,7 @@ def _new_residual(
         u = _rounded(u, act, PORTABLE)
     else:
         u = tl.load(x_ptr + rows[:, None] * stride_x + start + lanes[None, :], mask=mask, other=0.0,
-                    cache_modifier=X_CACHE).to(tl.float32)
+                    cache_modifier=".cg").to(tl.float32)
     return u
 
 
@@ -197,7 +197,7 @@ def modulation_kernel(
     HIDDEN: tl.constexpr, HAS_GATE: tl.constexpr, HAS_NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr,
     ROUND_GATE: tl.constexpr, ROUND_NORM: tl.constexpr, ROUND_NORM_BEFORE_WEIGHT: tl.constexpr,
     ROUND_AFFINE: tl.constexpr, FUSE_MULTIPLY_ADD: tl.constexpr, PORTABLE: tl.constexpr, BLOCK_T: tl.constexpr,
-    CHUNK: tl.constexpr, TABLES_AHEAD: tl.constexpr, REREAD_ROW: tl.constexpr,
+    CHUNK: tl.constexpr, TABLES_AHEAD: tl.constexpr,
 ):
     act: tl.constexpr = u_ptr.dtype.element_ty
     rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -207,24 +207,17 @@ def modulation_kernel(
     zero = (idx < 0).to(tl.int32)[:, None]  # 0 wherever the result is defined (see _mul_rn)
     idx = tl.where(bad, 0, idx)  # every load reads in bounds, whatever the index
 
-    tl.static_assert(not (REREAD_ROW and HAS_GATE))
-    X_CACHE: tl.constexpr = "" if REREAD_ROW else ".cg"
     kept = ()  # the row's chunks of u, in the activation dtype (exact: u is rounded to it or loaded in it)
     squares = tl.zeros([BLOCK_T, CHUNK], tl.float32)
     for c in tl.static_range(triton.cdiv(HIDDEN, CHUNK)):
         lanes, mask = _chunk(c, row_ok, CHUNK, HIDDEN)
         u = _new_residual(x_ptr, res_ptr, branch_ptr, gate_ptr, u_ptr, rows, idx, zero, c * CHUNK, lanes, mask,
                           stride_x, stride_res, stride_branch, stride_gate, HIDDEN, HAS_GATE, ROUND_GATE,
-                          FUSE_MULTIPLY_ADD, PORTABLE, X_CACHE)
+                          FUSE_MULTIPLY_ADD, PORTABLE)
         if HAS_NORM:
             squares += u * u
-        if not REREAD_ROW:
-            kept = kept + (u.to(act),)
+        kept = kept + (u.to(act),)
     tables = (0.0, 0.0, 0.0)
-    row = 0.0
-    if REREAD_ROW:  # the first chunk of x again (from L1) while the row is reduced
-        lanes, mask = _chunk(0, row_ok, CHUNK, HIDDEN)
-        row = tl.load(x_ptr + rows[:, None] * stride_x + lanes[None, :], mask=mask, other=0.0)
     if HAS_NORM and TABLES_AHEAD:  # the first chunk's table rows arrive while the row is reduced
         tables = _tables_chunk(w_ptr, shift_ptr, scale_ptr, idx, 0, row_ok, stride_shift, stride_scale, HIDDEN,
                                CHUNK, HAS_WEIGHT)
@@ -243,15 +236,10 @@ def modulation_kernel(
         for c in tl.static_range(chunks):
             lanes, mask = _chunk(c, row_ok, CHUNK, HIDDEN)
             current = tables
-            current_row = row if REREAD_ROW else kept[c]
-            if REREAD_ROW and c + 1 < chunks:  # the next chunk of x, before this chunk's store
-                next_lanes, next_mask = _chunk(c + 1, row_ok, CHUNK, HIDDEN)
-                row = tl.load(x_ptr + rows[:, None] * stride_x + (c + 1) * CHUNK + next_lanes[None, :],
-                              mask=next_mask, other=0.0)
             if TABLES_AHEAD and c + 1 < chunks:  # the next chunk's, before this chunk's store (which may alias them)
                 tables = _tables_chunk(w_ptr, shift_ptr, scale_ptr, idx, c + 1, row_ok, stride_shift, stride_scale,
                                        HIDDEN, CHUNK, HAS_WEIGHT)
-            y = _modulated(current_row.to(tl.float32), r, w_ptr, shift_ptr, scale_ptr, y_ptr, idx, zero, c * CHUNK, lanes,
+            y = _modulated(kept[c].to(tl.float32), r, w_ptr, shift_ptr, scale_ptr, y_ptr, idx, zero, c * CHUNK, lanes,
                            mask, stride_shift, stride_scale, current, HIDDEN, HAS_WEIGHT, ROUND_NORM,
                            ROUND_NORM_BEFORE_WEIGHT, ROUND_AFFINE, FUSE_MULTIPLY_ADD, PORTABLE, TABLES_AHEAD)
             tl.store(y_ptr + rows[:, None] * HIDDEN + c * CHUNK + lanes[None, :], y, mask=mask)
@@ -266,7 +254,6 @@ class LaunchConfig:
     chunk: int
     num_warps: int
     tables_ahead: bool = False
-    reread_row: bool = False
 
 
 def launch_config(hidden: int, has_gate: bool, rows: int | None) -> LaunchConfig:
@@ -318,7 +305,6 @@ def specialisation(hidden: int, has_gate: bool, has_norm: bool, has_weight: bool
         ROUND_NORM_BEFORE_WEIGHT=rounding.norm_before_weight, ROUND_AFFINE=rounding.affine,
         FUSE_MULTIPLY_ADD=rounding.fused_multiply_add, PORTABLE=portable, BLOCK_T=config.block_t, CHUNK=config.chunk,
         TABLES_AHEAD=config.tables_ahead and has_norm,  # no tables without a norm: one build of site C
-        REREAD_ROW=config.reread_row,
     )
 
 
