@@ -10,7 +10,7 @@ the change of this kernel against it: a kernel change measured side by side, in 
 Each site and T is timed in ``--rounds`` rounds, every round measuring the kernels one after
 the other (device time under CUDA graphs after an L2 flush, as ``bench_ops.py``), so that drift of the
 GPU's clocks between variants cancels; the table gives the median of the rounds and the ratios to
-``bf16``.
+``bf16``. ``--index runs``: the index in contiguous runs, as the model lays it out (``sites.make_inputs``).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import triton
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_ops import HIDDEN, TOKENS, alternating_rounds  # noqa: E402
-from sites import SITES, LaunchOptions, kernel_launch, load_kernel_module, make_inputs  # noqa: E402
+from sites import INDEX_LAYOUTS, SITES, LaunchOptions, kernel_launch, load_kernel_module, make_inputs  # noqa: E402
 
 
 def launchers(site, inputs, baseline=None):
@@ -43,6 +43,7 @@ def main():
     parser.add_argument("--out", default="benchmarks/results/check_cost.json")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--baseline", help="a kernels/triton_modulation.py of another commit to compare with")
+    parser.add_argument("--index", default="uniform", choices=INDEX_LAYOUTS, help="layout of the index (sites.make_inputs)")
     args = parser.parse_args()
     baseline = load_kernel_module(args.baseline) if args.baseline else None
     rows = []
@@ -51,13 +52,13 @@ def main():
           + "\n|---|---|---|---|---|" + "---|---|" * bool(baseline))
     for site in SITES:
         for tokens in TOKENS:
-            runs = launchers(site, make_inputs(site, tokens, HIDDEN), baseline)
+            runs = launchers(site, make_inputs(site, tokens, HIDDEN, index_layout=args.index), baseline)
             asserts = {name: "__assertfail" in run().asm["ptx"] for name, run in runs.items()}
             if asserts != {name: name != "bf16_no_index_check" for name in runs}:
                 raise RuntimeError(f"unexpected assertions in the compiled kernels: {asserts}")
             times = alternating_rounds(runs, args.rounds)
             us = {name: statistics.median(t) for name, t in times.items()}
-            rows.append(dict(site=site, T=tokens, us=us, rounds=times, gpu=torch.cuda.get_device_name(),
+            rows.append(dict(site=site, T=tokens, index=args.index, us=us, rounds=times, gpu=torch.cuda.get_device_name(),
                              torch=torch.__version__, triton=triton.__version__))
             line = (f"| {site} | {tokens:,} | {us['bf16']:.1f} | {us['fp32']:.1f} ({us['fp32'] / us['bf16'] - 1:+.1%}) | "
                     f"{us['bf16_no_index_check']:.1f} ({us['bf16'] / us['bf16_no_index_check'] - 1:+.1%}) |")

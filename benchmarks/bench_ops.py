@@ -13,7 +13,8 @@ host overhead); ``roof_share`` uses ``ms_graph``. Each site and T also times ``c
 copy of the site's minimal bytes: what a pure stream of that size reaches (small T pays ramp-up and
 tail as the kernels do). ``--sweep`` (or ``--sweep-only``) times the kernel the same way at every T
 over launch configurations (``sweep_configs``), under each of ``--sweep-policies``, and prints
-registers and spills of each.
+registers and spills of each. ``--index runs`` lays the index out in contiguous runs, as the model
+does, instead of drawing each row's table row independently (``sites.make_inputs``).
 """
 
 from __future__ import annotations
@@ -29,7 +30,16 @@ from triton.testing import do_bench, do_bench_cudagraph
 
 sys.path.insert(0, os.path.dirname(__file__))
 from hand_fused import hand_fused_site  # noqa: E402
-from sites import SITES, eager_site, fused_site, kernel_launch, make_inputs, minimal_bytes, with_launch_config  # noqa: E402
+from sites import (  # noqa: E402
+    INDEX_LAYOUTS,
+    SITES,
+    eager_site,
+    fused_site,
+    kernel_launch,
+    make_inputs,
+    minimal_bytes,
+    with_launch_config,
+)
 
 TOKENS = (3072, 15808, 63232)
 HIDDEN = 5376
@@ -86,11 +96,11 @@ def outputs(site, result):
 
 def run(args) -> list[dict]:
     roof = copy_bandwidth()
-    print(f"copy bandwidth {roof:.0f} GB/s on {torch.cuda.get_device_name()}", flush=True)
+    print(f"copy bandwidth {roof:.0f} GB/s on {torch.cuda.get_device_name()}; index layout {args.index}", flush=True)
     rows = []
     for site in args.sites:
         for tokens in args.tokens:
-            inputs = make_inputs(site, tokens, HIDDEN)
+            inputs = make_inputs(site, tokens, HIDDEN, index_layout=args.index)
             ref_u, ref_y = outputs(site, eager_site(site)(**inputs))
             nbytes = minimal_bytes(site, tokens, HIDDEN)
             for name, fn in ([] if args.sweep_only else variants(site)):
@@ -101,7 +111,7 @@ def run(args) -> list[dict]:
                 ms = do_bench(lambda fn=fn, inputs=inputs: fn(**inputs), return_mode="median")
                 ms_graph = graph_ms(lambda fn=fn, inputs=inputs: fn(**inputs))
                 gbs = nbytes / ms_graph / 1e6
-                row = dict(site=site, T=tokens, H=HIDDEN, variant=name, ms=ms, us=ms * 1e3, ms_graph=ms_graph,
+                row = dict(site=site, T=tokens, H=HIDDEN, index=args.index, variant=name, ms=ms, us=ms * 1e3, ms_graph=ms_graph,
                            us_graph=ms_graph * 1e3, gbs=gbs, roof_gbs=roof, roof_share=gbs / roof, **mismatches)
                 rows.append(row)
                 print(f"{site} T={tokens:6d} {name:24s} {row['us']:9.1f} us (graph {row['us_graph']:8.1f} us) "
@@ -177,6 +187,7 @@ def main():
     parser.add_argument("--sweep", action="store_true", help="also time the launch configurations")
     parser.add_argument("--sweep-only", action="store_true", help="time only the launch configurations")
     parser.add_argument("--sweep-policies", nargs="+", default=["bf16"], choices=["bf16", "fp32"])
+    parser.add_argument("--index", default="uniform", choices=INDEX_LAYOUTS, help="layout of the index (sites.make_inputs)")
     args = parser.parse_args()
     rows = run(args)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)

@@ -30,8 +30,17 @@ def eager_c(residual, gate, branch, index):
     return (residual + gate.index_select(0, index) * branch).to(residual.dtype)
 
 
+INDEX_LAYOUTS = ("uniform", "runs")
+
+
 def make_inputs(site: str, tokens: int, hidden: int = 5376, table_rows: int = 6, *, device="cuda",
-                dtype=torch.bfloat16, seed: int = 0):
+                dtype=torch.bfloat16, seed: int = 0, index_layout: str = "uniform"):
+    """Inputs of ``site``. ``index_layout``: ``uniform``, each row's table row drawn independently (the
+    worst case for the table rows' reuse in a program's L1), or ``runs``, the same draw sorted into
+    ``table_rows`` contiguous runs, as the model lays its index out (each sample's tokens share a timestep
+    and each modality's tokens are adjacent, so the index is constant over long runs)."""
+    if index_layout not in INDEX_LAYOUTS:
+        raise ValueError(f"index_layout must be one of {INDEX_LAYOUTS}, got {index_layout!r}")
     g = torch.Generator(device=device).manual_seed(seed)
 
     def randn(*shape, scale=1.0):
@@ -39,6 +48,8 @@ def make_inputs(site: str, tokens: int, hidden: int = 5376, table_rows: int = 6,
 
     tables = randn(table_rows, 6 * hidden, scale=0.3).chunk(6, dim=-1)  # row stride 6H, as in the model
     index = torch.randint(0, table_rows, (tokens,), generator=g, device=device)
+    if index_layout == "runs":
+        index = index.sort().values
     weight = 1.0 + randn(hidden, scale=0.1)
     x, branch = randn(tokens, hidden), randn(tokens, hidden)
     if site == "A":
