@@ -1,7 +1,10 @@
 """One launch of each site's ``bf16`` kernel and of the hand-fused baseline (T = 15,808 by default), for ``ncu``.
 
     ncu --clock-control none --section SpeedOfLight --section WarpStateStats \
-        -k 'regex:modulation_kernel|one_row_kernel' python benchmarks/profile_sites.py [--tokens T] [--sites A B C]
+        -k 'regex:modulation_kernel|one_row_kernel' python benchmarks/profile_sites.py [--tokens T] [--sites A B C] \
+        [--index uniform runs]
+
+``--index``: the index layouts to launch, one after the other (``sites.make_inputs``).
 """
 
 import argparse
@@ -12,15 +15,17 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from hand_fused import hand_fused_site  # noqa: E402
-from sites import SITES, fused_site, make_inputs  # noqa: E402
+from sites import INDEX_LAYOUTS, SITES, fused_site, make_inputs  # noqa: E402
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--tokens", type=int, default=15808)
 parser.add_argument("--sites", nargs="+", default=list(SITES), choices=SITES)
+parser.add_argument("--index", nargs="+", default=["uniform"], choices=INDEX_LAYOUTS)
 args = parser.parse_args()
 for site in args.sites:
-    inputs = make_inputs(site, args.tokens)
-    fused_site(site, "bf16")(**inputs)
-    hand_fused_site(site)(**inputs)
+    for layout in args.index:
+        inputs = make_inputs(site, args.tokens, index_layout=layout)
+        fused_site(site, "bf16")(**inputs)
+        hand_fused_site(site)(**inputs)
 torch.cuda.synchronize()
 print("profile: all launches done")

@@ -1,0 +1,55 @@
+"""Side by side: the shipped kernel on the same activations and tables under different layouts of the
+index (which table row each row reads), median of ``--rounds`` alternating rounds of device time after
+an L2 flush:
+
+- ``uniform``: each row's table row drawn independently (the op benchmark's default);
+- ``runs``: the same draw sorted, ``K`` contiguous runs (the model's layout);
+- ``one_row``: every row reads table row 0;
+- ``cycle_1``: ``t mod K`` (neighbouring rows differ, every program's neighbours read other rows);
+- ``cycle_64``: ``(t // 64) mod K`` (runs of 64 rows, every table row seen early).
+
+    python benchmarks/probe_index_layout.py [--rounds 5] [--cases A:3072 A:15808 B:15808]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from bench_ops import HIDDEN, alternating_rounds  # noqa: E402
+from sites import kernel_launch, make_inputs  # noqa: E402
+
+TABLE_ROWS = 6
+
+
+def layouts(tokens: int, device="cuda") -> dict[str, torch.Tensor]:
+    t = torch.arange(tokens, device=device)
+    uniform = make_inputs("A", tokens, HIDDEN, TABLE_ROWS, device=device)["index"]
+    return {"uniform": uniform, "runs": uniform.sort().values, "one_row": torch.zeros_like(t),
+            "cycle_1": t % TABLE_ROWS, "cycle_64": (t // 64) % TABLE_ROWS}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--cases", nargs="+", default=["A:3072", "A:15808", "B:3072", "B:15808", "C:15808"])
+    parser.add_argument("--policy", default="bf16", choices=["bf16", "fp32"])
+    args = parser.parse_args()
+    for case in args.cases:
+        site, tokens = case.split(":")
+        tokens = int(tokens)
+        inputs = make_inputs(site, tokens, HIDDEN, TABLE_ROWS)
+        runs = {name: kernel_launch(site, dict(inputs, index=index), args.policy)
+                for name, index in layouts(tokens).items()}
+        med = {name: statistics.median(v) for name, v in alternating_rounds(runs, args.rounds).items()}
+        print(f"{site} T={tokens:6d} {args.policy} " + "  ".join(
+            f"{name} {m:6.1f} us ({m / med['uniform'] - 1:+.1%})" for name, m in med.items()), flush=True)
+
+
+if __name__ == "__main__":
+    main()
