@@ -89,40 +89,6 @@ def _rsqrt(v, PORTABLE: tl.constexpr):
 
 
 @triton.jit
-def _warm_tables(shift_ptr, scale_ptr, gate_ptr, w_ptr, num_table_rows, stride_shift, stride_scale, stride_gate,
-                 HIDDEN: tl.constexpr, HAS_GATE: tl.constexpr, HAS_NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-                 LINES: tl.constexpr):
-    """Program ``p`` asks L2 to fetch (``prefetch.global.L2``) lines ``p * LINES`` to
-    ``(p + 1) * LINES - 1`` of every table row the kernel may read (each 128-byte line of ``shift``, ``scale``
-    and ``gate`` rows 0..K-1, then of the weight), one line per thread; the first programs between them
-    cover every row, so a row first read late in the kernel comes from L2, not from DRAM under the
-    activations' traffic. Reads nothing into registers and changes no result."""
-    per_line: tl.constexpr = 1024 // shift_ptr.dtype.element_ty.primitive_bitwidth
-    lines_per_row: tl.constexpr = (HIDDEN + per_line - 1) // per_line
-    tables: tl.constexpr = 2 * HAS_NORM + HAS_GATE
-    rows = tl.cast(num_table_rows, tl.int64)  # int64 throughout: no int32 overflow checks under debug=True
-    first = tl.program_id(0).to(tl.int64) * LINES
-    total = (rows * tables + HAS_WEIGHT) * lines_per_row
-    if first < total:
-        line = first + tl.arange(0, LINES)
-        row = line // lines_per_row
-        k = row % rows
-        col = (line % lines_per_row) * per_line
-        which = row // rows  # 0, 1: shift, scale (with a norm); then gate; then the weight
-        if HAS_NORM:
-            table = tl.where(which == 0, shift_ptr + k * stride_shift, scale_ptr + k * stride_scale)
-            if HAS_GATE:
-                table = tl.where(which == 2, gate_ptr + k * stride_gate, table)
-        else:
-            table = gate_ptr + k * stride_gate
-        ptr = tl.where(row >= rows * tables, w_ptr, table) + col
-        asm: tl.constexpr = ("{ .reg .pred p; setp.ne.s32 p, $2, 0; @p prefetch.global.L2 [$1]; } "
-                             "mov.u32 $0, 0;")
-        tl.inline_asm_elementwise(asm, "=r,l,r", [ptr, (line < total).to(tl.int32)], dtype=tl.int32,
-                                  is_pure=False, pack=1)
-
-
-@triton.jit
 def _chunk(c: tl.constexpr, row_ok, CHUNK: tl.constexpr, HIDDEN: tl.constexpr):
     """The lanes of chunk ``c`` (its columns are ``c * CHUNK + lanes``) and the load/store mask (a column
     test only in the chunk that crosses ``H``).
@@ -231,7 +197,7 @@ def modulation_kernel(
     HIDDEN: tl.constexpr, HAS_GATE: tl.constexpr, HAS_NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr,
     ROUND_GATE: tl.constexpr, ROUND_NORM: tl.constexpr, ROUND_NORM_BEFORE_WEIGHT: tl.constexpr,
     ROUND_AFFINE: tl.constexpr, FUSE_MULTIPLY_ADD: tl.constexpr, PORTABLE: tl.constexpr, BLOCK_T: tl.constexpr,
-    CHUNK: tl.constexpr, TABLES_AHEAD: tl.constexpr, WARM_LINES: tl.constexpr,
+    CHUNK: tl.constexpr, TABLES_AHEAD: tl.constexpr,
 ):
     act: tl.constexpr = u_ptr.dtype.element_ty
     rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -277,9 +243,6 @@ def modulation_kernel(
                            mask, stride_shift, stride_scale, current, HIDDEN, HAS_WEIGHT, ROUND_NORM,
                            ROUND_NORM_BEFORE_WEIGHT, ROUND_AFFINE, FUSE_MULTIPLY_ADD, PORTABLE, TABLES_AHEAD)
             tl.store(y_ptr + rows[:, None] * HIDDEN + c * CHUNK + lanes[None, :], y, mask=mask)
-    if WARM_LINES > 0 and not PORTABLE:  # last: no register of the row is live any more
-        _warm_tables(shift_ptr, scale_ptr, gate_ptr, w_ptr, num_table_rows, stride_shift, stride_scale, stride_gate,
-                     HIDDEN, HAS_GATE, HAS_NORM, HAS_WEIGHT, WARM_LINES)
 
 
 @dataclass(frozen=True)
@@ -291,7 +254,6 @@ class LaunchConfig:
     chunk: int
     num_warps: int
     tables_ahead: bool = False
-    warm_tables: bool = True
 
 
 def launch_config(hidden: int, has_gate: bool, rows: int | None) -> LaunchConfig:
@@ -343,7 +305,6 @@ def specialisation(hidden: int, has_gate: bool, has_norm: bool, has_weight: bool
         ROUND_NORM_BEFORE_WEIGHT=rounding.norm_before_weight, ROUND_AFFINE=rounding.affine,
         FUSE_MULTIPLY_ADD=rounding.fused_multiply_add, PORTABLE=portable, BLOCK_T=config.block_t, CHUNK=config.chunk,
         TABLES_AHEAD=config.tables_ahead and has_norm,  # no tables without a norm: one build of site C
-        WARM_LINES=32 * config.num_warps if config.warm_tables else 0,
     )
 
 
