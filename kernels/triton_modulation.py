@@ -89,30 +89,6 @@ def _rsqrt(v, PORTABLE: tl.constexpr):
 
 
 @triton.jit
-def _prefetch_coming_table_line(coming, shift_ptr, scale_ptr, gate_ptr, num_table_rows, stride_shift, stride_scale,
-                                stride_gate, HIDDEN: tl.constexpr, HAS_GATE: tl.constexpr, LANES: tl.constexpr):
-    """Asks L2 (``prefetch.global.L2``) for line ``program_id mod lines-per-row`` of each table row (``shift``,
-    ``scale``, and ``gate`` for site B) of index ``coming``: the index of the row ``AHEAD`` rows after this
-    program's, or -1 past the last row. Any ``lines-per-row`` consecutive programs between them bring
-    the whole rows of that index into L2, so where the index comes in runs the programs ``AHEAD`` rows
-    before a run's start warm its new table rows; elsewhere the lines are already in L2 and each request
-    costs one lookup. One lane per table issues it; an index out of range issues nothing. Changes no
-    result."""
-    per_line: tl.constexpr = 1024 // shift_ptr.dtype.element_ty.primitive_bitwidth
-    lines_per_row: tl.constexpr = (HIDDEN + per_line - 1) // per_line
-    lane = tl.arange(0, LANES)
-    valid = (coming >= 0) & (coming < num_table_rows)
-    k = tl.where(valid, coming, 0)
-    table = tl.where(lane == 0, shift_ptr + k * stride_shift, scale_ptr + k * stride_scale)
-    if HAS_GATE:
-        table = tl.where(lane == 2, gate_ptr + k * stride_gate, table)
-    line = table + (tl.program_id(0) % lines_per_row).to(tl.int64) * per_line
-    wanted = valid & (lane < 2 + HAS_GATE)
-    asm: tl.constexpr = "{ .reg .pred p; setp.ne.s32 p, $2, 0; @p prefetch.global.L2 [$1]; } mov.u32 $0, 0;"
-    tl.inline_asm_elementwise(asm, "=r,l,r", [line, wanted.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def _chunk(c: tl.constexpr, row_ok, CHUNK: tl.constexpr, HIDDEN: tl.constexpr):
     """The lanes of chunk ``c`` (its columns are ``c * CHUNK + lanes``) and the load/store mask (a column
     test only in the chunk that crosses ``H``).
@@ -221,7 +197,7 @@ def modulation_kernel(
     HIDDEN: tl.constexpr, HAS_GATE: tl.constexpr, HAS_NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr,
     ROUND_GATE: tl.constexpr, ROUND_NORM: tl.constexpr, ROUND_NORM_BEFORE_WEIGHT: tl.constexpr,
     ROUND_AFFINE: tl.constexpr, FUSE_MULTIPLY_ADD: tl.constexpr, PORTABLE: tl.constexpr, BLOCK_T: tl.constexpr,
-    CHUNK: tl.constexpr, TABLES_AHEAD: tl.constexpr, AHEAD: tl.constexpr,
+    CHUNK: tl.constexpr, TABLES_AHEAD: tl.constexpr,
 ):
     act: tl.constexpr = u_ptr.dtype.element_ty
     rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -230,9 +206,6 @@ def modulation_kernel(
     bad = row_ok & ((idx < 0) | (idx >= num_table_rows))
     zero = (idx < 0).to(tl.int32)[:, None]  # 0 wherever the result is defined (see _mul_rn)
     idx = tl.where(bad, 0, idx)  # every load reads in bounds, whatever the index
-    if AHEAD > 0 and HAS_NORM:  # the index AHEAD rows on, loaded now so that its latency hides behind the row's
-        coming_row = tl.program_id(0).to(tl.int64) * BLOCK_T + AHEAD
-        coming = tl.load(idx_ptr + coming_row, mask=coming_row < n_rows, other=-1)
 
     kept = ()  # the row's chunks of u, in the activation dtype (exact: u is rounded to it or loaded in it)
     squares = tl.zeros([BLOCK_T, CHUNK], tl.float32)
@@ -270,9 +243,6 @@ def modulation_kernel(
                            mask, stride_shift, stride_scale, current, HIDDEN, HAS_WEIGHT, ROUND_NORM,
                            ROUND_NORM_BEFORE_WEIGHT, ROUND_AFFINE, FUSE_MULTIPLY_ADD, PORTABLE, TABLES_AHEAD)
             tl.store(y_ptr + rows[:, None] * HIDDEN + c * CHUNK + lanes[None, :], y, mask=mask)
-    if AHEAD > 0 and HAS_NORM and not PORTABLE:  # last: no register of the row is live any more
-        _prefetch_coming_table_line(coming, shift_ptr, scale_ptr, gate_ptr, num_table_rows, stride_shift, stride_scale,
-                                    stride_gate, HIDDEN, HAS_GATE, BLOCK_T * CHUNK // 8)
 
 
 @dataclass(frozen=True)
@@ -284,7 +254,6 @@ class LaunchConfig:
     chunk: int
     num_warps: int
     tables_ahead: bool = False
-    prefetch_ahead: int = 1024
 
 
 def launch_config(hidden: int, has_gate: bool, rows: int | None) -> LaunchConfig:
@@ -336,7 +305,6 @@ def specialisation(hidden: int, has_gate: bool, has_norm: bool, has_weight: bool
         ROUND_NORM_BEFORE_WEIGHT=rounding.norm_before_weight, ROUND_AFFINE=rounding.affine,
         FUSE_MULTIPLY_ADD=rounding.fused_multiply_add, PORTABLE=portable, BLOCK_T=config.block_t, CHUNK=config.chunk,
         TABLES_AHEAD=config.tables_ahead and has_norm,  # no tables without a norm: one build of site C
-        AHEAD=config.prefetch_ahead,
     )
 
 
