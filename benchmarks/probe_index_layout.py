@@ -22,16 +22,16 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_ops import HIDDEN, alternating_rounds  # noqa: E402
-from sites import kernel_launch, make_inputs  # noqa: E402
+from sites import INDEX_LAYOUTS, kernel_launch, make_inputs  # noqa: E402
 
 TABLE_ROWS = 6
 
 
 def layouts(tokens: int, device="cuda") -> dict[str, torch.Tensor]:
     t = torch.arange(tokens, device=device)
-    uniform = make_inputs("A", tokens, HIDDEN, TABLE_ROWS, device=device)["index"]
-    return {"uniform": uniform, "runs": uniform.sort().values, "one_row": torch.zeros_like(t),
-            "cycle_1": t % TABLE_ROWS, "cycle_64": (t // 64) % TABLE_ROWS}
+    drawn = {layout: make_inputs("A", tokens, HIDDEN, TABLE_ROWS, device=device, index_layout=layout)["index"]
+             for layout in INDEX_LAYOUTS}
+    return drawn | {"one_row": torch.zeros_like(t), "cycle_1": t % TABLE_ROWS, "cycle_64": (t // 64) % TABLE_ROWS}
 
 
 def main():
