@@ -7,7 +7,7 @@ several pointer arguments a site does not use, and compiled graphs around it the
 outputs (run 35 in docs/BENCHMARKS.md: the analysis stops at any ``tl.inline_asm_elementwise``, "an op
 we do not know how to analyze", and at ``.to`` on an integer argument Triton made a constant). These
 tests run the analysis without a GPU, for a Hopper target, on the exact arguments ``launch_modulation``
-passes, for every site, both policies, the builds for many rows and for few, and one table row (an
+passes (captured through ``sites.kernel_launch``), for every site, both policies, the builds for many rows and for few, and one table row (an
 argument Triton specialises to a constant) as well as several.
 """
 
@@ -23,9 +23,8 @@ from torch._higher_order_ops.triton_kernel_wrap import get_mutated_tensors, kern
 from triton.backends.compiler import GPUTarget
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
-from h3_fused.kernels.contract import check_args  # noqa: E402
-from h3_fused.kernels.triton_modulation import launch_config, launch_modulation, modulation_kernel  # noqa: E402
-from sites import launch_config_answering, make_inputs  # noqa: E402
+from h3_fused.kernels.triton_modulation import launch_config, modulation_kernel  # noqa: E402
+from sites import kernel_launch, make_inputs, with_launch_config  # noqa: E402
 
 HIDDEN = 5376
 
@@ -77,18 +76,13 @@ class _Captured:
 @pytest.mark.parametrize("policy", ["bf16", "fp32"])
 @pytest.mark.parametrize("site", ["A", "B", "C"])
 def test_inductor_sees_writes_to_the_outputs_only(hopper_target, site, policy, rows, table_rows):
-    inputs = make_inputs(site, 4, HIDDEN, table_rows, device="cpu")
-    a = check_args(**inputs, policy=policy, has_norm=site != "C")
-    u = torch.empty(a.out_shape, dtype=a.dtype) if site != "A" else None
-    y = torch.empty(a.out_shape, dtype=a.dtype) if site != "C" else None
     captured = _Captured()
-    config = launch_config(HIDDEN, site != "A", rows)
-    with launch_config_answering(lambda hidden, has_gate, count: config):
-        launch_modulation(a, u, y, captured)
+    launch = kernel_launch(site, make_inputs(site, 4, HIDDEN, table_rows, device="cpu"), policy, wrap=captured)
+    with_launch_config(launch, launch_config(HIDDEN, site != "A", rows))()
     tensors = {name: v for name, v in captured.arguments.items() if isinstance(v, torch.Tensor)}
     constants = {name: v for name, v in captured.arguments.items() if name not in tensors}
     written = get_mutated_tensors(kernel_side_table.add_kernel(modulation_kernel),
                                   kernel_side_table.add_constant_args(constants), tensors, {})
-    outputs = [t for t in (u, y) if t is not None]
+    outputs = [t for t in launch.outputs if t is not None]
     assert written and all(any(tensors[name] is t for t in outputs) for name in written), written
     assert all(any(tensors[name] is t for name in written) for t in outputs), written
