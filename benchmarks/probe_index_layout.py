@@ -1,6 +1,8 @@
 """Side by side: the shipped kernel on the same activations and tables under different layouts of the
 index (which table row each row reads), median of ``--rounds`` alternating rounds of device time after
-an L2 flush:
+an L2 flush, each with the coming table rows warmed into L2 (``LaunchConfig.prefetch_ahead``, the
+shipped setting) and without (``_cold``); ``identical`` says whether the two builds' outputs are
+bit-identical:
 
 - ``uniform``: each row's table row drawn independently (the op benchmark's default);
 - ``runs``: the same draw sorted, ``K`` contiguous runs (the model's layout);
@@ -14,6 +16,7 @@ an L2 flush:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import sys
@@ -22,7 +25,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_ops import HIDDEN, alternating_rounds  # noqa: E402
-from sites import INDEX_LAYOUTS, kernel_launch, make_inputs  # noqa: E402
+from sites import INDEX_LAYOUTS, kernel_launch, make_inputs, with_launch_config  # noqa: E402
 
 TABLE_ROWS = 6
 
@@ -40,15 +43,24 @@ def main():
     parser.add_argument("--cases", nargs="+", default=["A:3072", "A:15808", "B:3072", "B:15808", "C:15808"])
     parser.add_argument("--policy", default="bf16", choices=["bf16", "fp32"])
     args = parser.parse_args()
+    from h3_fused.kernels.triton_modulation import launch_config
+
     for case in args.cases:
         site, tokens = case.split(":")
         tokens = int(tokens)
         inputs = make_inputs(site, tokens, HIDDEN, TABLE_ROWS)
-        runs = {name: kernel_launch(site, dict(inputs, index=index), args.policy)
-                for name, index in layouts(tokens).items()}
+        cold = dataclasses.replace(launch_config(HIDDEN, site != "A", tokens), prefetch_ahead=0)
+        runs, same = {}, {}
+        for name, index in layouts(tokens).items():
+            shipped = kernel_launch(site, dict(inputs, index=index), args.policy)
+            without = kernel_launch(site, dict(inputs, index=index), args.policy)
+            runs[name], runs[f"{name}_cold"] = shipped, with_launch_config(without, cold)
+            runs[name](), runs[f"{name}_cold"]()
+            same[name] = all(a is None or torch.equal(a, b) for a, b in zip(shipped.outputs, without.outputs))
         med = {name: statistics.median(v) for name, v in alternating_rounds(runs, args.rounds).items()}
         print(f"{site} T={tokens:6d} {args.policy} " + "  ".join(
-            f"{name} {m:6.1f} us ({m / med['uniform'] - 1:+.1%})" for name, m in med.items()), flush=True)
+            f"{name} {m:6.1f} us ({m / med['uniform_cold'] - 1:+.1%})" for name, m in med.items())
+            + f"  identical: {same}", flush=True)
 
 
 if __name__ == "__main__":

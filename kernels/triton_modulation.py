@@ -89,6 +89,39 @@ def _rsqrt(v, PORTABLE: tl.constexpr):
 
 
 @triton.jit
+def _touch_coming_table_rows(idx_ptr, shift_ptr, scale_ptr, gate_ptr, n_rows, num_table_rows, stride_shift,
+                             stride_scale, stride_gate, HIDDEN: tl.constexpr, HAS_GATE: tl.constexpr,
+                             BLOCK_T: tl.constexpr, AHEAD: tl.constexpr, LANES: tl.constexpr):
+    """Warms L2 with the table rows the kernel will read ``AHEAD`` rows on. Every ``GROUP``-th program
+    (``GROUP = LANES // 16``, at least 1) reads ``k = index[its first row + AHEAD]`` and then, one lane each, one element
+    of every 32-byte sector of ``GROUP`` consecutive lines, from line ``program_id mod lines-per-row`` on,
+    of ``shift[k]``, ``scale[k]`` and (site B) ``gate[k]``: between them the programs cover whole rows.
+    Where the index comes in runs, the programs ``AHEAD`` rows before a run's start bring its new table
+    rows from DRAM; elsewhere the sectors are already in L2. The loads are ``volatile`` (their results
+    are unused, and the compiler keeps them) and plain, which Inductor's analysis of the kernel
+    understands, unlike inline assembly such as ``prefetch``. An index out of range, or past the last
+    row, reads nothing. Changes no result."""
+    GROUP: tl.constexpr = LANES // 16 if LANES >= 16 else 1
+    per_line: tl.constexpr = 1024 // shift_ptr.dtype.element_ty.primitive_bitwidth
+    lines_per_row: tl.constexpr = (HIDDEN + per_line - 1) // per_line
+    program = tl.program_id(0).to(tl.int64)  # int64 throughout: no int32 overflow checks under debug=True
+    if program % GROUP == 0:
+        lane = tl.arange(0, LANES).to(tl.int64)
+        coming_row = program * BLOCK_T + AHEAD + 0 * lane  # every lane reads it: one request per warp
+        k = tl.load(idx_ptr + coming_row, mask=coming_row < n_rows, other=-1)
+        valid = (k >= 0) & (k < num_table_rows)
+        k = tl.where(valid, k, 0)
+        which = lane // (4 * GROUP)
+        line = (program + (lane // 4) % GROUP) % lines_per_row
+        col = line * per_line + (lane % 4) * (per_line // 4)
+        table = tl.where(which == 0, shift_ptr + k * stride_shift, scale_ptr + k * stride_scale)
+        if HAS_GATE:
+            table = tl.where(which == 2, gate_ptr + k * stride_gate, table)
+        tables: tl.constexpr = 3 if HAS_GATE else 2
+        tl.load(table + col, mask=(which < tables) & (col < HIDDEN) & valid, volatile=True)
+
+
+@triton.jit
 def _chunk(c: tl.constexpr, row_ok, CHUNK: tl.constexpr, HIDDEN: tl.constexpr):
     """The lanes of chunk ``c`` (its columns are ``c * CHUNK + lanes``) and the load/store mask (a column
     test only in the chunk that crosses ``H``).
@@ -197,7 +230,7 @@ def modulation_kernel(
     HIDDEN: tl.constexpr, HAS_GATE: tl.constexpr, HAS_NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr,
     ROUND_GATE: tl.constexpr, ROUND_NORM: tl.constexpr, ROUND_NORM_BEFORE_WEIGHT: tl.constexpr,
     ROUND_AFFINE: tl.constexpr, FUSE_MULTIPLY_ADD: tl.constexpr, PORTABLE: tl.constexpr, BLOCK_T: tl.constexpr,
-    CHUNK: tl.constexpr, TABLES_AHEAD: tl.constexpr,
+    CHUNK: tl.constexpr, TABLES_AHEAD: tl.constexpr, AHEAD: tl.constexpr,
 ):
     act: tl.constexpr = u_ptr.dtype.element_ty
     rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -243,17 +276,23 @@ def modulation_kernel(
                            mask, stride_shift, stride_scale, current, HIDDEN, HAS_WEIGHT, ROUND_NORM,
                            ROUND_NORM_BEFORE_WEIGHT, ROUND_AFFINE, FUSE_MULTIPLY_ADD, PORTABLE, TABLES_AHEAD)
             tl.store(y_ptr + rows[:, None] * HIDDEN + c * CHUNK + lanes[None, :], y, mask=mask)
+    if AHEAD > 0 and HAS_NORM:  # last: no register of the row is live any more
+        _touch_coming_table_rows(idx_ptr, shift_ptr, scale_ptr, gate_ptr, n_rows, num_table_rows, stride_shift,
+                                 stride_scale, stride_gate, HIDDEN, HAS_GATE, BLOCK_T, AHEAD, BLOCK_T * CHUNK // 8)
 
 
 @dataclass(frozen=True)
 class LaunchConfig:
     """``BLOCK_T`` rows per program, each read in chunks of ``CHUNK`` columns, on ``num_warps`` warps;
-    ``tables_ahead``: the norm's table rows loaded ahead of their use (``launch_config``)."""
+    ``tables_ahead``: the norm's table rows loaded ahead of their use (``launch_config``);
+    ``prefetch_ahead``: how many rows ahead the kernel warms L2 with the table rows it will read (0: it
+    does not; ``_touch_coming_table_rows``)."""
 
     block_t: int
     chunk: int
     num_warps: int
     tables_ahead: bool = False
+    prefetch_ahead: int = 1024
 
 
 def launch_config(hidden: int, has_gate: bool, rows: int | None) -> LaunchConfig:
@@ -305,6 +344,7 @@ def specialisation(hidden: int, has_gate: bool, has_norm: bool, has_weight: bool
         ROUND_NORM_BEFORE_WEIGHT=rounding.norm_before_weight, ROUND_AFFINE=rounding.affine,
         FUSE_MULTIPLY_ADD=rounding.fused_multiply_add, PORTABLE=portable, BLOCK_T=config.block_t, CHUNK=config.chunk,
         TABLES_AHEAD=config.tables_ahead and has_norm,  # no tables without a norm: one build of site C
+        AHEAD=config.prefetch_ahead,
     )
 
 
