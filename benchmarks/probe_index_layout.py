@@ -1,8 +1,9 @@
 """Side by side: the shipped kernel on the same activations and tables under different layouts of the
 index (which table row each row reads), median of ``--rounds`` alternating rounds of device time after
-an L2 flush, each with the coming table rows warmed into L2 (``LaunchConfig.prefetch_ahead``, the
-shipped setting) and without (``_cold``); ``identical`` says whether the two builds' outputs are
-bit-identical:
+an L2 flush, each with the coming table rows warmed into L2 ``--ahead`` rows ahead
+(``LaunchConfig.prefetch_ahead``; ``_ahead0``: not warmed), percentages against the first layout
+under the last ``--ahead``; ``identical`` says whether every build's outputs are bit-identical to the
+first one's (per layout):
 
 - ``uniform``: each row's table row drawn independently (the op benchmark's default);
 - ``runs``: the same draw sorted, ``K`` contiguous runs (the model's layout);
@@ -11,6 +12,7 @@ bit-identical:
 - ``cycle_64``: ``(t // 64) mod K`` (runs of 64 rows, every table row seen early).
 
     python benchmarks/probe_index_layout.py [--rounds 5] [--cases A:3072 A:15808 B:15808]
+        [--layouts uniform runs] [--ahead 1024 0]
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ def main():
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--cases", nargs="+", default=["A:3072", "A:15808", "B:3072", "B:15808", "C:15808"])
     parser.add_argument("--policy", default="bf16", choices=["bf16", "fp32"])
+    parser.add_argument("--layouts", nargs="+", default=None, help="default: all")
+    parser.add_argument("--ahead", nargs="+", type=int, default=[1024, 0])
     args = parser.parse_args()
     from h3_fused.kernels.triton_modulation import launch_config
 
@@ -49,17 +53,22 @@ def main():
         site, tokens = case.split(":")
         tokens = int(tokens)
         inputs = make_inputs(site, tokens, HIDDEN, TABLE_ROWS)
-        cold = dataclasses.replace(launch_config(HIDDEN, site != "A", tokens), prefetch_ahead=0)
         runs, same = {}, {}
         for name, index in layouts(tokens).items():
-            shipped = kernel_launch(site, dict(inputs, index=index), args.policy)
-            without = kernel_launch(site, dict(inputs, index=index), args.policy)
-            runs[name], runs[f"{name}_cold"] = shipped, with_launch_config(without, cold)
-            runs[name](), runs[f"{name}_cold"]()
-            same[name] = all(a is None or torch.equal(a, b) for a, b in zip(shipped.outputs, without.outputs))
+            if args.layouts and name not in args.layouts:
+                continue
+            for ahead in args.ahead:
+                config = dataclasses.replace(launch_config(HIDDEN, site != "A", tokens), prefetch_ahead=ahead)
+                launch = kernel_launch(site, dict(inputs, index=index), args.policy)
+                runs[f"{name}_ahead{ahead}"] = with_launch_config(launch, config)
+                runs[f"{name}_ahead{ahead}"]()
+                first = first if ahead != args.ahead[0] else launch.outputs
+                same[name] = same.get(name, True) and all(
+                    a is None or torch.equal(a, b) for a, b in zip(first, launch.outputs))
+        reference = next(name for name in runs if name.endswith(f"_ahead{args.ahead[-1]}"))
         med = {name: statistics.median(v) for name, v in alternating_rounds(runs, args.rounds).items()}
         print(f"{site} T={tokens:6d} {args.policy} " + "  ".join(
-            f"{name} {m:6.1f} us ({m / med['uniform_cold'] - 1:+.1%})" for name, m in med.items())
+            f"{name} {m:6.1f} us ({m / med[reference] - 1:+.1%})" for name, m in med.items())
             + f"  identical: {same}", flush=True)
 
 

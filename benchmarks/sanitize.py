@@ -2,12 +2,15 @@
 
     compute-sanitizer --tool memcheck python benchmarks/sanitize.py
 
-Each launch runs twice: with the configuration ``launch_config`` picks for its few rows, and with the
-one it picks for many rows (or a symbolic count), so that site A's 8-warp and 4-warp builds, and the
+Each launch runs four times: with the configuration ``launch_config`` picks for its few rows, and with
+the one it picks for many rows (or a symbolic count), so that site A's 8-warp and 4-warp builds, and the
 builds of sites A and B that load their table rows ahead and those that load them just before their
-use, are all checked at the edge sizes.
+use, are all checked at the edge sizes; and both once more warming the coming table rows one row ahead
+(``prefetch_ahead``; the shipped 1,024 rows ahead never reach past these sizes), so that those reads
+are checked too, up to the last row.
 """
 
+import dataclasses
 import os
 import sys
 
@@ -23,7 +26,12 @@ def many_rows(hidden, has_gate, rows):
     return shipped(hidden, has_gate, None)
 
 
-for choose in (shipped, many_rows):
+def warming_next_row(choose):
+    """``choose``'s configuration, warming the table rows of the next row."""
+    return lambda hidden, has_gate, rows: dataclasses.replace(choose(hidden, has_gate, rows), prefetch_ahead=1)
+
+
+for choose in (shipped, many_rows, warming_next_row(shipped), warming_next_row(many_rows)):
     with launch_config_answering(choose):
         for hidden in (64, 101, 200, 5376):
             for tokens in (1, 3, 257):

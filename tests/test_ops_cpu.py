@@ -291,6 +291,46 @@ def test_rows_read_in_chunks_under_the_interpreter():
     assert "chunked rows OK" in run_interpreted(CHUNKED)
 
 
+WARMED = r"""
+import dataclasses
+import torch
+from h3_fused.kernels import gate_norm_modulate, gate_residual, norm_modulate
+from h3_fused.kernels import triton_modulation as tm
+shipped = tm.launch_config
+torch.manual_seed(2)
+# the warming of coming table rows (prefetch_ahead) reads index rows and table sectors ahead of the
+# programs that use them: 1, 2 and 7 rows ahead (within and past the last row) against none
+for hidden, tokens in ((64, 70), (101, 9), (200, 33)):
+    x = torch.randn(tokens, hidden).to(torch.bfloat16)
+    br = torch.randn(tokens, hidden).to(torch.bfloat16)
+    w = torch.randn(hidden).to(torch.bfloat16)
+    t = (0.3 * torch.randn(3, 6 * hidden)).to(torch.bfloat16).chunk(6, -1)
+    idx = torch.randint(0, 3, (tokens,))
+    idx[-1] = 2
+    outputs = {}
+    for ahead in (0, 1, 2, 7):
+        tm.launch_config = lambda h, g, rows: dataclasses.replace(shipped(h, g, rows), prefetch_ahead=ahead)
+        for policy in ("bf16", "fp32"):
+            kw = dict(eps=1e-5, policy=policy)
+            outputs[ahead, policy] = (gate_norm_modulate(x, t[2], br, w, t[0], t[1], idx, **kw),
+                                      norm_modulate(x, w, t[0], t[1], idx, **kw),
+                                      gate_residual(x, t[2], br, idx, policy=policy))
+    for (ahead, policy), got in outputs.items():
+        (u, y), y_a, u_c = got
+        (u0, y0), y_a0, u_c0 = outputs[0, policy]
+        assert torch.equal(u, u0) and torch.equal(y, y0) and torch.equal(y_a, y_a0) and torch.equal(u_c, u_c0), (
+            hidden, tokens, ahead, policy)
+print("warmed rows OK")
+"""
+
+
+def test_warming_coming_table_rows_changes_no_result_under_the_interpreter():
+    """``LaunchConfig.prefetch_ahead``: the kernel's reads of coming index rows and table sectors, from
+    one row ahead to past the last row (the small-H builds have 64 lanes: every fourth program warms the
+    lines of four), leave every output of every site and policy bit-identical to the build without them."""
+    assert "warmed rows OK" in run_interpreted(WARMED)
+
+
 def test_launch_config_gives_site_a_more_warps_only_for_few_known_rows():
     """Site A runs on 8 warps up to ``FEW_ROWS`` rows and on 4 beyond, or where the count is symbolic
     (``None``: chosen without a guard on it); the gated sites always run on 8."""
