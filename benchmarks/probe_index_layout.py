@@ -53,7 +53,7 @@ def main():
         site, tokens = case.split(":")
         tokens = int(tokens)
         inputs = make_inputs(site, tokens, HIDDEN, TABLE_ROWS)
-        runs, same = {}, {}
+        runs, same, first = {}, {}, None
         for name, index in layouts(tokens).items():
             if args.layouts and name not in args.layouts:
                 continue
@@ -62,7 +62,7 @@ def main():
                 launch = kernel_launch(site, dict(inputs, index=index), args.policy)
                 runs[f"{name}_ahead{ahead}"] = with_launch_config(launch, config)
                 runs[f"{name}_ahead{ahead}"]()
-                first = first if ahead != args.ahead[0] else launch.outputs
+                first = launch.outputs if ahead == args.ahead[0] else first
                 same[name] = same.get(name, True) and all(
                     a is None or torch.equal(a, b) for a, b in zip(first, launch.outputs))
         reference = next(name for name in runs if name.endswith(f"_ahead{args.ahead[-1]}"))
