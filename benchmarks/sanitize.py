@@ -2,10 +2,10 @@
 
     compute-sanitizer --tool memcheck python benchmarks/sanitize.py
 
-Each launch runs four times: with the configuration ``launch_config`` picks for its few rows, and with
-the one it picks for many rows (or a symbolic count), so that site A's 8-warp and 4-warp builds, and the
-builds of sites A and B that load their table rows ahead and those that load them just before their
-use, are all checked at the edge sizes; and both once more warming the coming table rows one row ahead
+Each launch runs six times: with the configuration ``launch_config`` picks for its few rows, for
+``FEW_ROWS`` rows, and for many rows (or a symbolic count), so that site A's 8-warp and 4-warp builds,
+and the builds of sites A and B that load their table rows ahead and those that load them just before
+their use, are all checked at the edge sizes; and each once more warming the coming table rows one row ahead
 (``prefetch_ahead``; the shipped 1,024 rows ahead never reach past these sizes), so that those reads
 are checked too, up to the last row.
 """
@@ -17,6 +17,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
+from h3_fused.kernels.triton_modulation import FEW_ROWS  # noqa: E402
 from h3_fused.kernels.triton_modulation import launch_config as shipped  # noqa: E402
 from sites import fused_site, launch_config_answering, make_inputs  # noqa: E402
 
@@ -26,12 +27,17 @@ def many_rows(hidden, has_gate, rows):
     return shipped(hidden, has_gate, None)
 
 
+def mid_rows(hidden, has_gate, rows):
+    """The configuration ``launch_config`` picks for ``FEW_ROWS`` rows (site A on 4 warps, table rows ahead)."""
+    return shipped(hidden, has_gate, FEW_ROWS)
+
+
 def warming_next_row(choose):
     """``choose``'s configuration, warming the table rows of the next row."""
     return lambda hidden, has_gate, rows: dataclasses.replace(choose(hidden, has_gate, rows), prefetch_ahead=1)
 
 
-for choose in (shipped, many_rows, warming_next_row(shipped), warming_next_row(many_rows)):
+for choose in [c for base in (shipped, mid_rows, many_rows) for c in (base, warming_next_row(base))]:
     with launch_config_answering(choose):
         for hidden in (64, 101, 200, 5376):
             for tokens in (1, 3, 257):

@@ -42,8 +42,8 @@ from triton.language.extra import libdevice
 from .contract import ModulationArgs, Rounding
 
 MAX_BLOCK_H = 32768
-FEW_ROWS = 6144  # up to this many rows site A runs on 8 warps and site B loads its table rows ahead
-FEWEST_ROWS = 1024  # up to this many rows site A loads its table rows ahead too (``launch_config``)
+FEW_ROWS = 6144  # up to this many rows sites A and B load their table rows ahead
+FEWEST_ROWS = 1024  # up to this many rows site A runs on 8 warps (``launch_config``)
 
 
 @triton.jit
@@ -301,12 +301,11 @@ class LaunchConfig:
 def launch_config(hidden: int, has_gate: bool, rows: int | None) -> LaunchConfig:
     """Whole rows in registers, read in chunks of one 16-byte vector per thread (8 bf16), so that only
     the last chunk pads ``H``: one row per program, on 8 warps for sites B and C (their rows are three or
-    four streams, A's two) and for site A up to ``FEW_ROWS`` rows, and on 4 warps for site A beyond (more
-    programs resident per SM); rows shorter than the program's lanes share it. The norm's table rows
-    (weight, ``scale[i]``, ``shift[i]``) are loaded ahead (``tables_ahead``: the first chunk's before
-    the reduction, each next chunk's before the current chunk's store; more registers, fewer programs
-    per SM) for site B up to ``FEW_ROWS`` rows and for site A up to ``FEWEST_ROWS``, and each just
-    before its use beyond. ``rows`` is the row count, or None where it is symbolic (a graph compiled
+    four streams, A's two) and for site A up to ``FEWEST_ROWS`` rows, and on 4 warps for site A beyond
+    (more programs resident per SM); rows shorter than the program's lanes share it. The norm's table
+    rows (weight, ``scale[i]``, ``shift[i]``) are loaded ahead (``tables_ahead``: the first chunk's
+    before the reduction, each next chunk's before the current chunk's store; more registers, fewer
+    programs per SM) for sites A and B up to ``FEW_ROWS`` rows, and each just before its use beyond. ``rows`` is the row count, or None where it is symbolic (a graph compiled
     for dynamic shapes: the many-rows choice, without a guard on the count).
 
     Every chunk's loads come before the first store of ``u`` (a store may alias a later load, which the
@@ -331,17 +330,21 @@ def launch_config(hidden: int, has_gate: bool, rows: int | None) -> LaunchConfig
     15,808 / 63,232: site A 22.1 / 87.5 / 326.9 us against 22.6 / 94.0 / 331.7 us, site B 35.9 / 166.2
     us against 36.4 / 168.4 us at 3,072 / 15,808; with the uniform index within 0.4% either way (site B
     at 3,072: -0.8%). 2,048 rows ahead: A 87.0 us at 15,808 but 23.7 us at 3,072; 256 and 512 rows:
-    88.7 and 87.7 us at 15,808.
+    88.7 and 87.7 us at 15,808. With that warming, site A between ``FEWEST_ROWS`` and ``FEW_ROWS``
+    rows is faster on 4 warps with its table rows ahead than on 8 warps with them just before their use
+    (the earlier choice), side by side (``probe_configs.py``, run 41), at T = 2,048 / 3,072 / 4,096 /
+    6,144: bf16 -3.8 / -2.7 / -1.9 / -0.6% (uniform index), -6.0 / -5.5 / -4.3 / -1.8% (runs); fp32
+    -0.6 / -2.7 / -1.7 / -2.5% (uniform), -3.3 / -2.0 / -6.3 / -0.5% (runs).
     """
     padded = triton.next_power_of_2(int(hidden))  # H is a constexpr: specialised, never symbolic
     if padded > MAX_BLOCK_H:
         raise ValueError(f"H={hidden} exceeds the kernel's limit of {MAX_BLOCK_H}")
     block_t = max(1, 2048 // padded)
     few_rows = rows is not None and rows <= FEW_ROWS
-    per_thread = 32 if has_gate or few_rows else 64
+    per_thread = 32 if has_gate or (few_rows and rows <= FEWEST_ROWS) else 64
     num_warps = max(1, min(16, block_t * padded // (32 * per_thread)))
     chunk = min(padded, max(1, 32 * num_warps * 8 // block_t))
-    tables_ahead = few_rows and (has_gate or rows <= FEWEST_ROWS)
+    tables_ahead = few_rows
     return LaunchConfig(block_t, chunk, num_warps, tables_ahead)
 
 

@@ -331,22 +331,25 @@ def test_warming_coming_table_rows_changes_no_result_under_the_interpreter():
     assert "warmed rows OK" in run_interpreted(WARMED)
 
 
-def test_launch_config_gives_site_a_more_warps_only_for_few_known_rows():
-    """Site A runs on 8 warps up to ``FEW_ROWS`` rows and on 4 beyond, or where the count is symbolic
+def test_launch_config_gives_site_a_more_warps_only_for_the_fewest_known_rows():
+    """Site A runs on 8 warps up to ``FEWEST_ROWS`` rows and on 4 beyond, or where the count is symbolic
     (``None``: chosen without a guard on it); the gated sites always run on 8."""
-    from h3_fused.kernels.triton_modulation import FEW_ROWS, launch_config
+    from h3_fused.kernels.triton_modulation import FEW_ROWS, FEWEST_ROWS, launch_config
 
-    site_a = [launch_config(5376, False, rows) for rows in (1, FEW_ROWS, FEW_ROWS + 1, None)]
-    assert [(c.block_t, c.chunk, c.num_warps) for c in site_a] == [(1, 2048, 8)] * 2 + [(1, 1024, 4)] * 2
-    gated = [launch_config(5376, True, rows) for rows in (1, FEW_ROWS, FEW_ROWS + 1, None)]
+    counts = (1, FEWEST_ROWS, FEWEST_ROWS + 1, FEW_ROWS, FEW_ROWS + 1, None)
+    site_a = [launch_config(5376, False, rows) for rows in counts]
+    assert [(c.block_t, c.chunk, c.num_warps) for c in site_a] == [(1, 2048, 8)] * 2 + [(1, 1024, 4)] * 4
+    gated = [launch_config(5376, True, rows) for rows in counts]
     assert {(c.block_t, c.chunk, c.num_warps) for c in gated} == {(1, 2048, 8)}
 
 
 def test_launch_config_loads_table_rows_ahead_only_for_few_known_rows():
-    """Site B loads its table rows ahead up to ``FEW_ROWS`` rows, site A up to ``FEWEST_ROWS``; neither
-    where the count is symbolic."""
+    """Sites A and B load their table rows ahead up to ``FEW_ROWS`` rows; neither beyond, nor where the
+    count is symbolic; every build warms the coming table rows 1,024 rows ahead."""
     from h3_fused.kernels.triton_modulation import FEW_ROWS, FEWEST_ROWS, launch_config
 
     counts = (1, FEWEST_ROWS, FEWEST_ROWS + 1, FEW_ROWS, FEW_ROWS + 1, None)
-    assert [launch_config(5376, False, rows).tables_ahead for rows in counts] == [True, True] + [False] * 4
-    assert [launch_config(5376, True, rows).tables_ahead for rows in counts] == [True] * 4 + [False] * 2
+    for gated in (False, True):
+        configs = [launch_config(5376, gated, rows) for rows in counts]
+        assert [c.tables_ahead for c in configs] == [True] * 4 + [False] * 2
+        assert {c.prefetch_ahead for c in configs} == {1024}
