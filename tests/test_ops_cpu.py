@@ -191,8 +191,23 @@ def test_property_bf16_matches_eager(tokens, hidden, rows, seed, native, upcast)
                                          t["index"], upcast))
 
 
-INTERPRETED = r"""
+SITE_INPUTS = r"""
 import torch
+
+
+def site_inputs(tokens, hidden):
+    # bf16 residual/x, branch and weight, three strided [3, H] table views (shift, scale, gate) and an
+    # index whose last row reads the last table row
+    x = torch.randn(tokens, hidden).to(torch.bfloat16)
+    br = torch.randn(tokens, hidden).to(torch.bfloat16)
+    w = torch.randn(hidden).to(torch.bfloat16)
+    t = (0.3 * torch.randn(3, 6 * hidden)).to(torch.bfloat16).chunk(6, -1)
+    idx = torch.randint(0, 3, (tokens,))
+    idx[-1] = 2
+    return x, br, w, t, idx
+"""
+
+INTERPRETED = SITE_INPUTS + r"""
 from h3_fused.kernels import gate_norm_modulate, norm_modulate, gate_residual
 from h3_fused.kernels.contract import check_args
 from h3_fused.kernels.reference import reference_modulation
@@ -209,12 +224,7 @@ for hidden in (64, 101, 200):
     for tokens in (1, 5, 33):
         for policy in ("bf16", "fp32"):
             for native in (False, True):
-                x = torch.randn(tokens, hidden).to(torch.bfloat16)
-                br = torch.randn(tokens, hidden).to(torch.bfloat16)
-                w = torch.randn(hidden).to(torch.bfloat16)
-                t = (0.3 * torch.randn(3, 6 * hidden)).to(torch.bfloat16).chunk(6, -1)
-                idx = torch.randint(0, 3, (tokens,))
-                idx[-1] = 2
+                x, br, w, t, idx = site_inputs(tokens, hidden)
                 kw = dict(eps=1e-5, policy=policy, norm_rounds_before_weight=native)
                 u, y = gate_norm_modulate(x, t[2], br, w, t[0], t[1], idx, **kw)
                 a = check_args(residual=x, branch=br, gate=t[2], weight=w, shift=t[0], scale=t[1], index=idx,
@@ -250,9 +260,8 @@ def test_triton_kernel_logic_under_the_interpreter():
     assert "interpreted kernel OK" in run_interpreted(INTERPRETED)
 
 
-CHUNKED = r"""
+CHUNKED = SITE_INPUTS + r"""
 import itertools
-import torch
 from h3_fused.kernels import gate_norm_modulate, gate_residual, norm_modulate
 from h3_fused.kernels import triton_modulation as tm
 from h3_fused.kernels.contract import check_args
@@ -261,13 +270,10 @@ torch.manual_seed(1)
 # rows read in 32-column chunks: H = 101 is four chunks, the last one 5 columns wide
 # (each with its table rows loaded just before their use and ahead of it), with and without a weight
 hidden, tokens = 101, 9
-for policy, ahead, w in itertools.product(("bf16", "fp32"), (False, True), (torch.randn(hidden), None)):
+for policy, ahead, weighted in itertools.product(("bf16", "fp32"), (False, True), (True, False)):
     tm.launch_config = lambda hidden, has_gate, rows: tm.LaunchConfig(1, 32, 1, tables_ahead=ahead)
-    x = torch.randn(tokens, hidden).to(torch.bfloat16)
-    br = torch.randn(tokens, hidden).to(torch.bfloat16)
-    w = None if w is None else w.to(torch.bfloat16)
-    t = (0.3 * torch.randn(3, 6 * hidden)).to(torch.bfloat16).chunk(6, -1)
-    idx = torch.randint(0, 3, (tokens,))
+    x, br, w, t, idx = site_inputs(tokens, hidden)
+    w = w if weighted else None
     kw = dict(eps=1e-5, policy=policy)
     u, y = gate_norm_modulate(x, t[2], br, w, t[0], t[1], idx, **kw)
     ur, yr = reference_modulation(check_args(residual=x, branch=br, gate=t[2], weight=w, shift=t[0], scale=t[1],
@@ -291,9 +297,8 @@ def test_rows_read_in_chunks_under_the_interpreter():
     assert "chunked rows OK" in run_interpreted(CHUNKED)
 
 
-WARMED = r"""
+WARMED = SITE_INPUTS + r"""
 import dataclasses
-import torch
 from h3_fused.kernels import gate_norm_modulate, gate_residual, norm_modulate
 from h3_fused.kernels import triton_modulation as tm
 shipped = tm.launch_config
@@ -301,12 +306,7 @@ torch.manual_seed(2)
 # the warming of coming table rows (prefetch_ahead) reads index rows and table sectors ahead of the
 # programs that use them: 1, 2 and 7 rows ahead (within and past the last row) against none
 for hidden, tokens in ((64, 70), (101, 9), (200, 33)):
-    x = torch.randn(tokens, hidden).to(torch.bfloat16)
-    br = torch.randn(tokens, hidden).to(torch.bfloat16)
-    w = torch.randn(hidden).to(torch.bfloat16)
-    t = (0.3 * torch.randn(3, 6 * hidden)).to(torch.bfloat16).chunk(6, -1)
-    idx = torch.randint(0, 3, (tokens,))
-    idx[-1] = 2
+    x, br, w, t, idx = site_inputs(tokens, hidden)
     outputs = {}
     for ahead in (0, 1, 2, 7):
         tm.launch_config = lambda h, g, rows: dataclasses.replace(shipped(h, g, rows), prefetch_ahead=ahead)
