@@ -96,9 +96,10 @@ def _touch_coming_table_rows(idx_ptr, shift_ptr, scale_ptr, gate_ptr, n_rows, nu
                              stride_scale, stride_gate, HIDDEN: tl.constexpr, HAS_GATE: tl.constexpr,
                              BLOCK_T: tl.constexpr, AHEAD: tl.constexpr, LANES: tl.constexpr):
     """Warms L2 with the table rows the kernel will read ``AHEAD`` rows on. Every ``GROUP``-th program
-    (``GROUP = LANES // 16``, at least 1) reads ``k = index[its first row + AHEAD]`` and then, one lane each, one element
-    of every 32-byte sector of ``GROUP`` consecutive lines, from line ``program_id mod lines-per-row`` on,
-    of ``shift[k]``, ``scale[k]`` and (site B) ``gate[k]``: between them the programs cover whole rows.
+    (``GROUP = LANES // 16``, at least 1) reads ``k = index[its first row + AHEAD]`` and then, one lane
+    each, one element of every 32-byte sector of ``GROUP`` consecutive lines, from line ``program_id mod
+    lines-per-row`` on, of ``shift[k]``, ``scale[k]`` and (site B) ``gate[k]``: between them the
+    programs cover whole rows.
     Where the index comes in runs, the programs ``AHEAD`` rows before a run's start bring its new table
     rows from DRAM; elsewhere the sectors are already in L2. The loads are ``volatile`` (their results
     are unused, and the compiler keeps them) and plain, which Inductor's analysis of the kernel
@@ -305,8 +306,9 @@ def launch_config(hidden: int, has_gate: bool, rows: int | None) -> LaunchConfig
     (more programs resident per SM); rows shorter than the program's lanes share it. The norm's table
     rows (weight, ``scale[i]``, ``shift[i]``) are loaded ahead (``tables_ahead``: the first chunk's
     before the reduction, each next chunk's before the current chunk's store; more registers, fewer
-    programs per SM) for sites A and B up to ``FEW_ROWS`` rows, and each just before its use beyond. ``rows`` is the row count, or None where it is symbolic (a graph compiled
-    for dynamic shapes: the many-rows choice, without a guard on the count).
+    programs per SM) for sites A and B up to ``FEW_ROWS`` rows, and each just before its use beyond.
+    ``rows`` is the row count, or None where it is symbolic (a graph compiled for dynamic shapes: the
+    many-rows choice, without a guard on the count).
 
     Every chunk's loads come before the first store of ``u`` (a store may alias a later load, which the
     compiler would then not move above it), and ``y`` is stored chunk by chunk. Measured on the H200 at
@@ -341,7 +343,8 @@ def launch_config(hidden: int, has_gate: bool, rows: int | None) -> LaunchConfig
         raise ValueError(f"H={hidden} exceeds the kernel's limit of {MAX_BLOCK_H}")
     block_t = max(1, 2048 // padded)
     few_rows = rows is not None and rows <= FEW_ROWS
-    per_thread = 32 if has_gate or (few_rows and rows <= FEWEST_ROWS) else 64
+    fewest_rows = rows is not None and rows <= FEWEST_ROWS
+    per_thread = 32 if has_gate or fewest_rows else 64
     num_warps = max(1, min(16, block_t * padded // (32 * per_thread)))
     chunk = min(padded, max(1, 32 * num_warps * 8 // block_t))
     tables_ahead = few_rows
