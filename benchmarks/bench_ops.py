@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 
 import torch
@@ -35,6 +36,7 @@ from sites import (  # noqa: E402
     SITES,
     eager_site,
     fused_site,
+    identical_outputs,
     kernel_launch,
     make_inputs,
     minimal_bytes,
@@ -73,6 +75,17 @@ def alternating_rounds(runs: dict, rounds: int) -> dict[str, list[float]]:
         for name, run in runs.items():
             times[name].append(graph_ms(run) * 1e3)
     return times
+
+
+def alternating_medians(runs: dict, rounds: int) -> dict[str, float]:
+    """The median of each call's ``alternating_rounds`` (in us)."""
+    return {name: statistics.median(t) for name, t in alternating_rounds(runs, rounds).items()}
+
+
+def relative_times(medians: dict[str, float], reference: str, note=lambda name: "") -> str:
+    """``medians`` on one line, each with its difference to ``medians[reference]`` (and ``note(name)``)."""
+    return "  ".join(f"{name} {m:6.1f} us ({m / medians[reference] - 1:+.1%}){note(name)}"
+                     for name, m in medians.items())
 
 
 def mismatch(got, ref) -> float:
@@ -118,7 +131,7 @@ def run(args) -> list[dict]:
                       f"{gbs:7.0f} GB/s "
                       f"{100 * row['roof_share']:5.1f}%  mismatch {row['mismatch']:.2e}", flush=True)
             again_u, again_y = outputs(site, eager_site(site)(**inputs))
-            if not all(a is None or torch.equal(a, b) for a, b in ((again_u, ref_u), (again_y, ref_y))):
+            if not identical_outputs((again_u, again_y), (ref_u, ref_y)):
                 raise RuntimeError(f"site {site} T={tokens}: eager's output changed during the run (inputs or "
                                    f"reference overwritten); its mismatch column cannot be trusted")
             rows.append(same_bytes_copy(site, tokens, nbytes, roof))

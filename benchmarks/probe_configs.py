@@ -15,11 +15,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_ops import HIDDEN, alternating_rounds  # noqa: E402
+from bench_ops import HIDDEN, alternating_medians, relative_times  # noqa: E402
 from sites import INDEX_LAYOUTS, kernel_launch, make_inputs, with_launch_config  # noqa: E402
 
 TABLE_ROWS = 6
@@ -54,12 +53,10 @@ def main():
                 for name in args.configs:
                     runs[name, policy] = with_launch_config(kernel_launch(site, inputs, policy), named[name])
                     runs[name, policy]()
-            med = {key: statistics.median(v) for key, v in alternating_rounds(runs, args.rounds).items()}
+            med = alternating_medians(runs, args.rounds)
             for policy in args.policies:
-                shipped = med["shipped", policy]
-                print(f"{site} T={tokens:6d} {layout:7s} {policy} shipped={named['shipped']}: " + "  ".join(
-                    f"{name} {med[name, policy]:6.1f} us ({med[name, policy] / shipped - 1:+.1%})"
-                    for name in args.configs), flush=True)
+                print(f"{site} T={tokens:6d} {layout:7s} {policy} shipped={named['shipped']}: "
+                      + relative_times({name: med[name, policy] for name in args.configs}, "shipped"), flush=True)
 
 
 if __name__ == "__main__":

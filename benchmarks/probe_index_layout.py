@@ -20,14 +20,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import statistics
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_ops import HIDDEN, alternating_rounds  # noqa: E402
-from sites import INDEX_LAYOUTS, kernel_launch, make_inputs, with_launch_config  # noqa: E402
+from bench_ops import HIDDEN, alternating_medians, relative_times  # noqa: E402
+from sites import INDEX_LAYOUTS, identical_outputs, kernel_launch, make_inputs, with_launch_config  # noqa: E402
 
 TABLE_ROWS = 6
 
@@ -53,23 +52,20 @@ def main():
         site, tokens = case.split(":")
         tokens = int(tokens)
         inputs = make_inputs(site, tokens, HIDDEN, TABLE_ROWS)
-        runs, same, first = {}, {}, None
+        shipped = launch_config(HIDDEN, site != "A", tokens)
+        runs, same = {}, {}
         for name, index in layouts(tokens).items():
             if args.layouts and name not in args.layouts:
                 continue
-            for ahead in args.ahead:
-                config = dataclasses.replace(launch_config(HIDDEN, site != "A", tokens), prefetch_ahead=ahead)
-                launch = kernel_launch(site, dict(inputs, index=index), args.policy)
-                runs[f"{name}_ahead{ahead}"] = with_launch_config(launch, config)
+            launches = {ahead: kernel_launch(site, dict(inputs, index=index), args.policy) for ahead in args.ahead}
+            for ahead, launch in launches.items():
+                runs[f"{name}_ahead{ahead}"] = with_launch_config(launch, dataclasses.replace(shipped, prefetch_ahead=ahead))
                 runs[f"{name}_ahead{ahead}"]()
-                first = launch.outputs if ahead == args.ahead[0] else first
-                same[name] = same.get(name, True) and all(
-                    a is None or torch.equal(a, b) for a, b in zip(first, launch.outputs))
-        reference = next(name for name in runs if name.endswith(f"_ahead{args.ahead[-1]}"))
-        med = {name: statistics.median(v) for name, v in alternating_rounds(runs, args.rounds).items()}
-        print(f"{site} T={tokens:6d} {args.policy} " + "  ".join(
-            f"{name} {m:6.1f} us ({m / med[reference] - 1:+.1%})" for name, m in med.items())
-            + f"  identical: {same}", flush=True)
+            same[name] = all(identical_outputs(launches[args.ahead[0]].outputs, launch.outputs)
+                             for launch in launches.values())
+        med = alternating_medians(runs, args.rounds)
+        print(f"{site} T={tokens:6d} {args.policy} " + relative_times(med, f"{next(iter(same))}_ahead{args.ahead[-1]}")
+              + f"  identical: {same}", flush=True)
 
 
 if __name__ == "__main__":

@@ -13,12 +13,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_ops import HIDDEN, alternating_rounds  # noqa: E402
-from sites import kernel_launch, load_kernel_module, make_inputs, with_launch_config  # noqa: E402
+from bench_ops import HIDDEN, alternating_medians, relative_times  # noqa: E402
+from sites import identical_outputs, kernel_launch, load_kernel_module, make_inputs, with_launch_config  # noqa: E402
 
 ORDERS = {"tables_after": False, "tables_ahead": True}
 
@@ -45,12 +44,10 @@ def main():
                 launches[name] = kernel_launch(site, inputs, policy)
                 runs[name] = with_launch_config(launches[name], dataclasses.replace(shipped, tables_ahead=ahead))
             regs = {name: run().n_regs for name, run in runs.items()}
-            outs = {name: [t for t in launch.outputs if t is not None] for name, launch in launches.items()}
-            same = all(all(a.equal(b) for a, b in zip(outs["baseline"], o)) for o in outs.values())
-            med = {name: statistics.median(v) for name, v in alternating_rounds(runs, args.rounds).items()}
-            print(f"{site} T={tokens:6d} {policy} w{shipped.num_warps} " + "  ".join(
-                f"{n} {m:6.1f} us {m / med['baseline'] - 1:+.1%} r{regs[n]}" for n, m in med.items())
-                + f"  identical: {same}", flush=True)
+            same = all(identical_outputs(launches["baseline"].outputs, launch.outputs) for launch in launches.values())
+            med = alternating_medians(runs, args.rounds)
+            print(f"{site} T={tokens:6d} {policy} w{shipped.num_warps} "
+                  + relative_times(med, "baseline", lambda name: f" r{regs[name]}") + f"  identical: {same}", flush=True)
 
 
 if __name__ == "__main__":

@@ -22,14 +22,10 @@ from h3_fused.kernels.triton_modulation import launch_config as shipped  # noqa:
 from sites import fused_site, launch_config_answering, make_inputs  # noqa: E402
 
 
-def many_rows(hidden, has_gate, rows):
-    """The configuration ``launch_config`` picks for many rows (or a symbolic count)."""
-    return shipped(hidden, has_gate, None)
-
-
-def mid_rows(hidden, has_gate, rows):
-    """The configuration ``launch_config`` picks for ``FEW_ROWS`` rows (site A on 4 warps, table rows ahead)."""
-    return shipped(hidden, has_gate, FEW_ROWS)
+def picked_for(count):
+    """The configuration ``launch_config`` picks for ``count`` rows (None: many rows, or a symbolic count),
+    whatever the launch's own row count."""
+    return lambda hidden, has_gate, rows: shipped(hidden, has_gate, count)
 
 
 def warming_next_row(choose):
@@ -37,7 +33,7 @@ def warming_next_row(choose):
     return lambda hidden, has_gate, rows: dataclasses.replace(choose(hidden, has_gate, rows), prefetch_ahead=1)
 
 
-for choose in [c for base in (shipped, mid_rows, many_rows) for c in (base, warming_next_row(base))]:
+for choose in [c for base in (shipped, picked_for(FEW_ROWS), picked_for(None)) for c in (base, warming_next_row(base))]:
     with launch_config_answering(choose):
         for hidden in (64, 101, 200, 5376):
             for tokens in (1, 3, 257):

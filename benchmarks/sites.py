@@ -98,6 +98,12 @@ def kernel_launch(site: str, inputs: dict, policy: str, wrap=lambda kernel: kern
     return launch
 
 
+def identical_outputs(outputs, others) -> bool:
+    """Whether two ``(u, y)`` tuples (e.g. ``kernel_launch(...).outputs``) are bit-identical wherever the
+    first has an output."""
+    return all(a is None or torch.equal(a, b) for a, b in zip(outputs, others))
+
+
 class LaunchOptions:
     """A ``wrap`` for ``launch_modulation`` that launches the kernel with extra Triton launch options, e.g.
     ``debug=False`` (no index assertion, and none of the int32 overflow checks Triton adds in debug

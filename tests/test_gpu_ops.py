@@ -20,7 +20,8 @@ def _diff(got, ref):
 @pytest.mark.parametrize("tokens", [1, 1024, 3072, 15808, 63232])
 @pytest.mark.parametrize("site", ["A", "B", "C"])
 def test_bf16_policy_matches_eager_at_real_size(site, tokens):
-    """Every build at H = 5376: 1 and 1,024 rows load the table rows ahead for A and B, 3,072 for B only."""
+    """Every build at H = 5376: up to 6,144 rows (1, 1,024, 3,072) sites A and B load their table rows ahead,
+    site A on 8 warps up to 1,024 rows and on 4 from 3,072 on."""
     inputs = make_inputs(site, tokens, seed=tokens)
     ref = eager_site(site)(**inputs)
     got = fused_site(site, "bf16")(**inputs)
