@@ -42,8 +42,9 @@ from triton.language.extra import libdevice
 from .contract import ModulationArgs, Rounding
 
 MAX_BLOCK_H = 32768
-FEW_ROWS = 6144  # up to this many rows sites A and B load their table rows ahead
 FEWEST_ROWS = 1024  # up to this many rows site A runs on 8 warps (``launch_config``)
+FEW_ROWS = 6144  # up to this many rows site B loads its table rows ahead
+SITE_A_FEW_ROWS = 12288  # up to this many rows site A loads its table rows ahead
 
 
 @triton.jit
@@ -306,7 +307,8 @@ def launch_config(hidden: int, has_gate: bool, rows: int | None) -> LaunchConfig
     (more programs resident per SM); rows shorter than the program's lanes share it. The norm's table
     rows (weight, ``scale[i]``, ``shift[i]``) are loaded ahead (``tables_ahead``: the first chunk's
     before the reduction, each next chunk's before the current chunk's store; more registers, fewer
-    programs per SM) for sites A and B up to ``FEW_ROWS`` rows, and each just before its use beyond.
+    programs per SM) for site B up to ``FEW_ROWS`` rows and for site A up to ``SITE_A_FEW_ROWS``, and
+    each just before its use beyond.
     ``rows`` is the row count, or None where it is symbolic (a graph compiled for dynamic shapes: the
     many-rows choice, without a guard on the count).
 
@@ -336,18 +338,19 @@ def launch_config(hidden: int, has_gate: bool, rows: int | None) -> LaunchConfig
     rows is faster on 4 warps with its table rows ahead than on 8 warps with them just before their use
     (the earlier choice), side by side (``probe_configs.py``, run 41), at T = 2,048 / 3,072 / 4,096 /
     6,144: bf16 -3.8 / -2.7 / -1.9 / -0.6% (uniform index), -6.0 / -5.5 / -4.3 / -1.8% (runs); fp32
-    -0.6 / -2.7 / -1.7 / -2.5% (uniform), -3.3 / -2.0 / -6.3 / -0.5% (runs).
+    -0.6 / -2.7 / -1.7 / -2.5% (uniform), -3.3 / -2.0 / -6.3 / -0.5% (runs). Beyond, side by side (run
+    44), at T = 9,216 / 12,288 / 15,808: bf16 -1.6 / -0.2 / +0.8% (uniform), -6.7 / -3.1 / -2.2% (runs);
+    fp32 -0.2 / -0.6 / +1.2% (uniform), -1.9 / -2.0 / -0.8% (runs).
     """
     padded = triton.next_power_of_2(int(hidden))  # H is a constexpr: specialised, never symbolic
     if padded > MAX_BLOCK_H:
         raise ValueError(f"H={hidden} exceeds the kernel's limit of {MAX_BLOCK_H}")
     block_t = max(1, 2048 // padded)
-    few_rows = rows is not None and rows <= FEW_ROWS
     fewest_rows = rows is not None and rows <= FEWEST_ROWS
     per_thread = 32 if has_gate or fewest_rows else 64
     num_warps = max(1, min(16, block_t * padded // (32 * per_thread)))
     chunk = min(padded, max(1, 32 * num_warps * 8 // block_t))
-    tables_ahead = few_rows
+    tables_ahead = rows is not None and rows <= (FEW_ROWS if has_gate else SITE_A_FEW_ROWS)
     return LaunchConfig(block_t, chunk, num_warps, tables_ahead)
 
 

@@ -104,11 +104,11 @@ def test_64_bit_offsets_past_2_to_the_31_elements():
 
 def test_dynamic_shapes_compile_once_across_the_few_rows_threshold():
     """Compiled for dynamic shapes, the row count is symbolic: the launch configuration must not guard on
-    it, so row counts on both sides of ``FEW_ROWS`` run the one compiled graph, exactly."""
-    from h3_fused.kernels.triton_modulation import FEW_ROWS
+    it, so row counts on both sides of site A's ``SITE_A_FEW_ROWS`` run the one compiled graph, exactly."""
+    from h3_fused.kernels.triton_modulation import SITE_A_FEW_ROWS
 
     compiled = torch.compile(fused_site("A", "bf16"), dynamic=True)
     with torch._dynamo.config.patch(error_on_recompile=True):
-        for tokens in (FEW_ROWS // 2, 3 * FEW_ROWS):
+        for tokens in (SITE_A_FEW_ROWS // 2, SITE_A_FEW_ROWS + 1):
             inputs = make_inputs("A", tokens, seed=tokens)
             assert _diff(compiled(**inputs), eager_site("A")(**inputs)) <= 1e-5

@@ -344,12 +344,13 @@ def test_launch_config_gives_site_a_more_warps_only_for_the_fewest_known_rows():
 
 
 def test_launch_config_loads_table_rows_ahead_only_for_few_known_rows():
-    """Sites A and B load their table rows ahead up to ``FEW_ROWS`` rows; neither beyond, nor where the
-    count is symbolic; every build warms the coming table rows 1,024 rows ahead."""
-    from h3_fused.kernels.triton_modulation import FEW_ROWS, FEWEST_ROWS, launch_config
+    """Site B loads its table rows ahead up to ``FEW_ROWS`` rows, site A up to ``SITE_A_FEW_ROWS``;
+    neither beyond, nor where the count is symbolic; every build warms the coming table rows 1,024 rows
+    ahead."""
+    from h3_fused.kernels.triton_modulation import FEW_ROWS, FEWEST_ROWS, SITE_A_FEW_ROWS, launch_config
 
-    counts = (1, FEWEST_ROWS, FEWEST_ROWS + 1, FEW_ROWS, FEW_ROWS + 1, None)
-    for gated in (False, True):
+    for gated, few in ((False, SITE_A_FEW_ROWS), (True, FEW_ROWS)):
+        counts = (1, FEWEST_ROWS, FEWEST_ROWS + 1, few, few + 1, None)
         configs = [launch_config(5376, gated, rows) for rows in counts]
         assert [c.tables_ahead for c in configs] == [True] * 4 + [False] * 2
         assert {c.prefetch_ahead for c in configs} == {1024}
