@@ -97,7 +97,7 @@ def probe(work: str, inputs: dict, times: torch.Tensor | None = None):
 
     x = inputs["x"]
     y = torch.empty_like(x)
-    config = launch_config(HIDDEN, False, None)
+    config = launch_config(HIDDEN, False, True, None)
     timeline = times is not None
 
     def run():

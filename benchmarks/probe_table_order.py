@@ -36,7 +36,7 @@ def main():
         site, tokens = case.split(":")
         tokens = int(tokens)
         inputs = make_inputs(site, tokens, HIDDEN)
-        shipped = launch_config(HIDDEN, site == "B", tokens)
+        shipped = launch_config(HIDDEN, site == "B", True, tokens)
         for policy in ("bf16", "fp32"):
             launches = {"baseline": kernel_launch(site, inputs, policy, kernel_module=baseline)}
             runs = dict(launches)

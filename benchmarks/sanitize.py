@@ -3,9 +3,9 @@
     compute-sanitizer --tool memcheck python benchmarks/sanitize.py
 
 Each launch runs six times: with the configuration ``launch_config`` picks for its few rows, for
-``FEW_ROWS`` rows, and for many rows (or a symbolic count), so that site A's 8-warp and 4-warp builds,
-and the builds of sites A and B that load their table rows ahead and those that load them just before
-their use, are all checked at the edge sizes; and each once more warming the coming table rows one row ahead
+``FEW_ROWS`` rows, and for many rows (or a symbolic count), so that the 8-warp and 4-warp builds of
+sites A and B, and site A's builds that load its table rows ahead and that load them just before their
+use, are all checked at the edge sizes; and each once more warming the coming table rows one row ahead
 (``prefetch_ahead``; the shipped 1,024 rows ahead never reach past these sizes), so that those reads
 are checked too, up to the last row.
 """
@@ -25,12 +25,13 @@ from sites import fused_site, launch_config_answering, make_inputs  # noqa: E402
 def picked_for(count):
     """The configuration ``launch_config`` picks for ``count`` rows (None: many rows, or a symbolic count),
     whatever the launch's own row count."""
-    return lambda hidden, has_gate, rows: shipped(hidden, has_gate, count)
+    return lambda hidden, has_gate, has_norm, rows: shipped(hidden, has_gate, has_norm, count)
 
 
 def warming_next_row(choose):
     """``choose``'s configuration, warming the table rows of the next row."""
-    return lambda hidden, has_gate, rows: dataclasses.replace(choose(hidden, has_gate, rows), prefetch_ahead=1)
+    return lambda hidden, has_gate, has_norm, rows: dataclasses.replace(choose(hidden, has_gate, has_norm, rows),
+                                                                    prefetch_ahead=1)
 
 
 for choose in [c for base in (shipped, picked_for(FEW_ROWS), picked_for(None)) for c in (base, warming_next_row(base))]:

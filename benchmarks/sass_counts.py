@@ -34,7 +34,7 @@ CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia",
 def compile_site(site: str, policy: str, hidden: int, config=None):
     """``modulation_kernel`` compiled for sm_90 as the ops launch it (or with ``config``)."""
     gate, norm = site in "BC", site in "AB"
-    config = config or launch_config(hidden, gate, None)
+    config = config or launch_config(hidden, gate, norm, None)
     r = rounding_for(policy, torch.bfloat16, torch.bfloat16 if gate else None, torch.bfloat16 if norm else None,
                      norm_rounds_before_weight=False, upcast_tables=False)
     constants = specialisation(hidden, gate, norm, norm, r, config, portable=False)

@@ -122,7 +122,7 @@ class LaunchOptions:
 
 @contextlib.contextmanager
 def launch_config_answering(choose):
-    """Within the block, the kernel's ``launch_config(hidden, has_gate, rows)`` answers ``choose``'s
+    """Within the block, the kernel's ``launch_config(hidden, has_gate, has_norm, rows)`` answers ``choose``'s
     configuration instead of its own."""
     from h3_fused.kernels import triton_modulation as tm
 
@@ -138,7 +138,7 @@ def with_launch_config(launch, config):
     """``launch`` (e.g. a ``kernel_launch``) run with the launch configuration ``config``."""
 
     def run():
-        with launch_config_answering(lambda hidden, has_gate, rows: config):
+        with launch_config_answering(lambda hidden, has_gate, has_norm, rows: config):
             return launch()
 
     return run

@@ -43,7 +43,7 @@ from .contract import ModulationArgs, Rounding
 
 MAX_BLOCK_H = 32768
 FEWEST_ROWS = 1024  # up to this many rows site A runs on 8 warps (``launch_config``)
-FEW_ROWS = 6144  # up to this many rows site B loads its table rows ahead
+FEW_ROWS = 6144  # up to this many rows site B runs on 8 warps
 SITE_A_FEW_ROWS = 12288  # up to this many rows site A loads its table rows ahead
 
 
@@ -300,15 +300,14 @@ class LaunchConfig:
     prefetch_ahead: int = 1024
 
 
-def launch_config(hidden: int, has_gate: bool, rows: int | None) -> LaunchConfig:
+def launch_config(hidden: int, has_gate: bool, has_norm: bool, rows: int | None) -> LaunchConfig:
     """Whole rows in registers, read in chunks of one 16-byte vector per thread (8 bf16), so that only
-    the last chunk pads ``H``: one row per program, on 8 warps for sites B and C (their rows are three or
-    four streams, A's two) and for site A up to ``FEWEST_ROWS`` rows, and on 4 warps for site A beyond
-    (more programs resident per SM); rows shorter than the program's lanes share it. The norm's table
-    rows (weight, ``scale[i]``, ``shift[i]``) are loaded ahead (``tables_ahead``: the first chunk's
-    before the reduction, each next chunk's before the current chunk's store; more registers, fewer
-    programs per SM) for site B up to ``FEW_ROWS`` rows and for site A up to ``SITE_A_FEW_ROWS``, and
-    each just before its use beyond.
+    the last chunk pads ``H``: one row per program, on 8 warps for site C, for site B up to ``FEW_ROWS``
+    rows and for site A up to ``FEWEST_ROWS`` rows, and on 4 warps beyond (more programs resident per
+    SM); rows shorter than the program's lanes share it. The norm's table rows (weight, ``scale[i]``,
+    ``shift[i]``) are loaded ahead (``tables_ahead``: the first chunk's before the reduction, each next
+    chunk's before the current chunk's store; more registers, fewer programs per SM) by site B always
+    and by site A up to ``SITE_A_FEW_ROWS`` rows, and by site A each just before its use beyond.
     ``rows`` is the row count, or None where it is symbolic (a graph compiled for dynamic shapes: the
     many-rows choice, without a guard on the count).
 
@@ -340,17 +339,26 @@ def launch_config(hidden: int, has_gate: bool, rows: int | None) -> LaunchConfig
     6,144: bf16 -3.8 / -2.7 / -1.9 / -0.6% (uniform index), -6.0 / -5.5 / -4.3 / -1.8% (runs); fp32
     -0.6 / -2.7 / -1.7 / -2.5% (uniform), -3.3 / -2.0 / -6.3 / -0.5% (runs). Beyond, side by side (run
     44), at T = 9,216 / 12,288 / 15,808: bf16 -1.6 / -0.2 / +0.8% (uniform), -6.7 / -3.1 / -2.2% (runs);
-    fp32 -0.2 / -0.6 / +1.2% (uniform), -1.9 / -2.0 / -0.8% (runs).
+    fp32 -0.2 / -0.6 / +1.2% (uniform), -1.9 / -2.0 / -0.8% (runs). Site B beyond ``FEW_ROWS`` on 4
+    warps with its table rows ahead against 8 warps with them just before their use, side by side (run
+    45), at T = 9,216 / 15,808 / 31,616 / 63,232: bf16 -1.1 / -1.2 / -0.7 / -0.7% (uniform), -0.7 / -1.7
+    / -0.4 / -0.5% (runs); fp32 -0.1 / -0.2 / +0.9 / -0.8% (uniform), +0.9 / -0.4 / +0.1 / +0.1% (runs);
+    run 44 the same within 0.5% at 15,808 and 63,232 (run 33, before the warming: +0.5% at 15,808). At
+    6,144 within 0.9% either way of 8 warps with the rows ahead, which stays up to ``FEW_ROWS`` (the
+    fastest at 3,072 in run 33).
     """
     padded = triton.next_power_of_2(int(hidden))  # H is a constexpr: specialised, never symbolic
     if padded > MAX_BLOCK_H:
         raise ValueError(f"H={hidden} exceeds the kernel's limit of {MAX_BLOCK_H}")
     block_t = max(1, 2048 // padded)
-    fewest_rows = rows is not None and rows <= FEWEST_ROWS
-    per_thread = 32 if has_gate or fewest_rows else 64
+    def at_most(bound: int) -> bool:  # a symbolic count takes the many-rows choice
+        return rows is not None and rows <= bound
+
+    more_warps = not has_norm or at_most(FEW_ROWS if has_gate else FEWEST_ROWS)
+    per_thread = 32 if more_warps else 64
     num_warps = max(1, min(16, block_t * padded // (32 * per_thread)))
     chunk = min(padded, max(1, 32 * num_warps * 8 // block_t))
-    tables_ahead = rows is not None and rows <= (FEW_ROWS if has_gate else SITE_A_FEW_ROWS)
+    tables_ahead = has_norm and (has_gate or at_most(SITE_A_FEW_ROWS))
     return LaunchConfig(block_t, chunk, num_warps, tables_ahead)
 
 
@@ -376,7 +384,8 @@ def launch_modulation(a: ModulationArgs, u: torch.Tensor | None, y: torch.Tensor
 
     Arguments a site does not use are passed as an alias of one it does; the kernel never reads them.
     """
-    config = launch_config(a.hidden, a.gate is not None, a.rows if isinstance(a.rows, int) else None)
+    config = launch_config(a.hidden, a.gate is not None, a.scale is not None,
+                           a.rows if isinstance(a.rows, int) else None)
     rows_alias = a.x if a.x is not None else a.residual
     table_alias = a.gate if a.gate is not None else a.scale
 

@@ -20,11 +20,14 @@ def _diff(got, ref):
 @pytest.mark.parametrize("tokens", [1, 1024, 3072, 15808, 63232])
 @pytest.mark.parametrize("site", ["A", "B", "C"])
 def test_bf16_policy_matches_eager_at_real_size(site, tokens):
-    """Every build at H = 5376: up to 6,144 rows (1, 1,024, 3,072) sites A and B load their table rows ahead,
-    site A on 8 warps up to 1,024 rows and on 4 from 3,072 on."""
+    """Every build at H = 5376: site B on 8 warps up to 6,144 rows (1, 1,024, 3,072) and on 4 beyond, its
+    table rows always loaded ahead; site A on 8 warps up to 1,024 rows and on 4 from 3,072 on, its table
+    rows loaded ahead up to 12,288 rows."""
     inputs = make_inputs(site, tokens, seed=tokens)
-    ref = eager_site(site)(**inputs)
-    got = fused_site(site, "bf16")(**inputs)
+    _assert_bf16_policy_matches_eager(site, fused_site(site, "bf16")(**inputs), eager_site(site)(**inputs))
+
+
+def _assert_bf16_policy_matches_eager(site, got, ref):
     if site == "B":
         assert torch.equal(got[0], ref[0]), "the stored residual must be bit-identical"
         assert _diff(got[1], ref[1]) <= 1e-5
@@ -102,13 +105,16 @@ def test_64_bit_offsets_past_2_to_the_31_elements():
     assert torch.equal(got[-128:], ref[-128:]) and torch.equal(got, ref)
 
 
-def test_dynamic_shapes_compile_once_across_the_few_rows_threshold():
+@pytest.mark.parametrize("site, threshold", [("A", "SITE_A_FEW_ROWS"), ("B", "FEW_ROWS")])
+def test_dynamic_shapes_compile_once_across_the_few_rows_threshold(site, threshold):
     """Compiled for dynamic shapes, the row count is symbolic: the launch configuration must not guard on
-    it, so row counts on both sides of site A's ``SITE_A_FEW_ROWS`` run the one compiled graph, exactly."""
-    from h3_fused.kernels.triton_modulation import SITE_A_FEW_ROWS
+    it, so row counts on both sides of the site's bound (A: ``SITE_A_FEW_ROWS``, where it stops loading its
+    table rows ahead; B: ``FEW_ROWS``, where it goes from 8 warps to 4) run the one compiled graph, exactly."""
+    from h3_fused.kernels import triton_modulation
 
-    compiled = torch.compile(fused_site("A", "bf16"), dynamic=True)
+    bound = getattr(triton_modulation, threshold)
+    compiled = torch.compile(fused_site(site, "bf16"), dynamic=True)
     with torch._dynamo.config.patch(error_on_recompile=True):
-        for tokens in (SITE_A_FEW_ROWS // 2, SITE_A_FEW_ROWS + 1):
-            inputs = make_inputs("A", tokens, seed=tokens)
-            assert _diff(compiled(**inputs), eager_site("A")(**inputs)) <= 1e-5
+        for tokens in (bound // 2, bound + 1):
+            inputs = make_inputs(site, tokens, seed=tokens)
+            _assert_bf16_policy_matches_eager(site, compiled(**inputs), eager_site(site)(**inputs))

@@ -25,7 +25,7 @@ ROW_COUNTS = pytest.mark.parametrize("rows", [None, 1], ids=["many_rows", "few_r
 
 
 def ptx_ops(site: str, policy: str, rows: int | None) -> list[str]:
-    ptx = compile_site(site, policy, HIDDEN, launch_config(HIDDEN, site in "BC", rows)).asm["ptx"]
+    ptx = compile_site(site, policy, HIDDEN, launch_config(HIDDEN, site in "BC", site in "AB", rows)).asm["ptx"]
     return re.findall(r"^\s+((?:fma|mul|add)\.[\w.]+)", ptx, re.M)
 
 

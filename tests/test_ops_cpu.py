@@ -271,7 +271,7 @@ torch.manual_seed(1)
 # (each with its table rows loaded just before their use and ahead of it), with and without a weight
 hidden, tokens = 101, 9
 for policy, ahead, weighted in itertools.product(("bf16", "fp32"), (False, True), (True, False)):
-    tm.launch_config = lambda hidden, has_gate, rows: tm.LaunchConfig(1, 32, 1, tables_ahead=ahead)
+    tm.launch_config = lambda hidden, has_gate, has_norm, rows: tm.LaunchConfig(1, 32, 1, tables_ahead=ahead)
     x, br, w, t, idx = site_inputs(tokens, hidden)
     w = w if weighted else None
     kw = dict(eps=1e-5, policy=policy)
@@ -309,7 +309,7 @@ for hidden, tokens in ((64, 70), (101, 9), (200, 33)):
     x, br, w, t, idx = site_inputs(tokens, hidden)
     outputs = {}
     for ahead in (0, 1, 2, 7):
-        tm.launch_config = lambda h, g, rows: dataclasses.replace(shipped(h, g, rows), prefetch_ahead=ahead)
+        tm.launch_config = lambda h, g, n, rows: dataclasses.replace(shipped(h, g, n, rows), prefetch_ahead=ahead)
         for policy in ("bf16", "fp32"):
             kw = dict(eps=1e-5, policy=policy)
             outputs[ahead, policy] = (gate_norm_modulate(x, t[2], br, w, t[0], t[1], idx, **kw),
@@ -331,26 +331,29 @@ def test_warming_coming_table_rows_changes_no_result_under_the_interpreter():
     assert "warmed rows OK" in run_interpreted(WARMED)
 
 
-def test_launch_config_gives_site_a_more_warps_only_for_the_fewest_known_rows():
-    """Site A runs on 8 warps up to ``FEWEST_ROWS`` rows and on 4 beyond, or where the count is symbolic
-    (``None``: chosen without a guard on it); the gated sites always run on 8."""
+def test_launch_config_gives_the_normed_sites_more_warps_only_for_few_known_rows():
+    """Site A runs on 8 warps up to ``FEWEST_ROWS`` rows, site B up to ``FEW_ROWS``, and both on 4
+    beyond, or where the count is symbolic (``None``: chosen without a guard on it); site C always on 8."""
     from h3_fused.kernels.triton_modulation import FEW_ROWS, FEWEST_ROWS, launch_config
 
     counts = (1, FEWEST_ROWS, FEWEST_ROWS + 1, FEW_ROWS, FEW_ROWS + 1, None)
-    site_a = [launch_config(5376, False, rows) for rows in counts]
-    assert [(c.block_t, c.chunk, c.num_warps) for c in site_a] == [(1, 2048, 8)] * 2 + [(1, 1024, 4)] * 4
-    gated = [launch_config(5376, True, rows) for rows in counts]
-    assert {(c.block_t, c.chunk, c.num_warps) for c in gated} == {(1, 2048, 8)}
+    wide, narrow = (1, 2048, 8), (1, 1024, 4)
+    site_a = [launch_config(5376, False, True, rows) for rows in counts]
+    assert [(c.block_t, c.chunk, c.num_warps) for c in site_a] == [wide] * 2 + [narrow] * 4
+    site_b = [launch_config(5376, True, True, rows) for rows in counts]
+    assert [(c.block_t, c.chunk, c.num_warps) for c in site_b] == [wide] * 4 + [narrow] * 2
+    site_c = [launch_config(5376, True, False, rows) for rows in counts]
+    assert {(c.block_t, c.chunk, c.num_warps) for c in site_c} == {wide}
 
 
-def test_launch_config_loads_table_rows_ahead_only_for_few_known_rows():
-    """Site B loads its table rows ahead up to ``FEW_ROWS`` rows, site A up to ``SITE_A_FEW_ROWS``;
-    neither beyond, nor where the count is symbolic; every build warms the coming table rows 1,024 rows
-    ahead."""
-    from h3_fused.kernels.triton_modulation import FEW_ROWS, FEWEST_ROWS, SITE_A_FEW_ROWS, launch_config
+def test_launch_config_loads_table_rows_ahead_for_site_b_and_few_known_rows_of_site_a():
+    """Site B always loads its table rows ahead; site A up to ``SITE_A_FEW_ROWS`` rows, neither beyond
+    nor where the count is symbolic; site C has no table rows of a norm; every build warms the coming
+    table rows 1,024 rows ahead."""
+    from h3_fused.kernels.triton_modulation import FEWEST_ROWS, SITE_A_FEW_ROWS, launch_config
 
-    for gated, few in ((False, SITE_A_FEW_ROWS), (True, FEW_ROWS)):
-        counts = (1, FEWEST_ROWS, FEWEST_ROWS + 1, few, few + 1, None)
-        configs = [launch_config(5376, gated, rows) for rows in counts]
-        assert [c.tables_ahead for c in configs] == [True] * 4 + [False] * 2
-        assert {c.prefetch_ahead for c in configs} == {1024}
+    counts = (1, FEWEST_ROWS, FEWEST_ROWS + 1, SITE_A_FEW_ROWS, SITE_A_FEW_ROWS + 1, None)
+    ahead = {(gated, normed): [launch_config(5376, gated, normed, rows).tables_ahead for rows in counts]
+             for gated, normed in ((False, True), (True, True), (True, False))}
+    assert ahead == {(False, True): [True] * 4 + [False] * 2, (True, True): [True] * 6, (True, False): [False] * 6}
+    assert {launch_config(5376, g, n, rows).prefetch_ahead for g, n in ahead for rows in counts} == {1024}
