@@ -113,6 +113,7 @@ def test_dynamic_shapes_compile_once_across_the_few_rows_threshold(site, thresho
     from h3_fused.kernels import triton_modulation
 
     bound = getattr(triton_modulation, threshold)
+    torch._dynamo.reset()  # the site's function may be cached from a static compile of an earlier test
     compiled = torch.compile(fused_site(site, "bf16"), dynamic=True)
     with torch._dynamo.config.patch(error_on_recompile=True):
         for tokens in (bound // 2, bound + 1):
