@@ -1,15 +1,43 @@
 """Markdown table of an op-benchmark JSON: time, share of the copy bandwidth and mismatch per variant.
 
-    python benchmarks/report.py benchmarks/results/ops.json
+    python benchmarks/report.py benchmarks/results/ops.json            # docs/BENCHMARKS.md's op table
+    python benchmarks/report.py benchmarks/results/ops.json --readme   # the README's
 """
 
+import argparse
 import json
-import sys
+
+README_COLUMNS = {  # variant: the README's column, in the README's order
+    "copy_same_bytes": "copy, same bytes", "eager": "eager", "inductor": "Inductor",
+    "inductor_epc": "Inductor `emulate_precision_casts`", "hand_fused": "hand-fused one-row kernel",
+    "h3_fused_fp32": "h3_fused `fp32`", "h3_fused_bf16": "h3_fused `bf16`",
+}
 
 
-def main(src: str) -> None:
+def readme_table(rows: list) -> None:
+    """Device time and share per variant; the share of ``y`` not bit-identical to eager (``mm``) in each
+    site's first row, for the variants that can differ."""
+    print("| site | T | " + " | ".join(README_COLUMNS.values()) + " |")
+    print("|---|---|" + "---|" * len(README_COLUMNS))
+    first_of_site = set()
+    for key in dict.fromkeys((r["site"], r["T"]) for r in rows):
+        cells = []
+        for variant in README_COLUMNS:
+            r = next(r for r in rows if (r["site"], r["T"], r["variant"]) == (*key, variant))
+            cell = f"{r['us_graph']:.1f} us, {100 * r['roof_share']:.1f}%"
+            if key[0] not in first_of_site and r.get("mismatch") is not None and variant not in ("eager", "h3_fused_fp32"):
+                cell += f", mm {r['mismatch']:.2g}".replace("e-0", "e-")
+            cells.append(cell)
+        first_of_site.add(key[0])
+        print(f"| {key[0]} | {key[1]:,} | " + " | ".join(cells) + " |")
+
+
+def main(src: str, readme: bool) -> None:
     with open(src) as f:
         rows = json.load(f)
+    if readme:
+        readme_table(rows)
+        return
     main_rows = [r for r in rows if not r["variant"].startswith("sweep")]
     variants = list(dict.fromkeys(r["variant"] for r in main_rows))
     print(f"{rows[0]['gpu']}, torch {rows[0]['torch']}, triton {rows[0]['triton']}, "
@@ -34,4 +62,8 @@ def main(src: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("src")
+    parser.add_argument("--readme", action="store_true", help="the README's table")
+    args = parser.parse_args()
+    main(args.src, args.readme)
