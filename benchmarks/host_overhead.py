@@ -1,13 +1,14 @@
-"""Host time per call of each way to run a site, and where a direct op call spends it.
+"""Host time per call of each way to run a site, and where the calls spend it.
 
     python benchmarks/host_overhead.py [--sites A B C] [--tokens 3072] [--calls 300]
+        [--profile public_op bare_launch in_graph]
 
 For each site: the microseconds of host time per call, ``--calls`` calls back to back with one
 synchronisation at the end (a call that outruns the GPU queues work, so this is the host's rate, not
-the device's), for the public op (``h3_fused.kernels.norm_modulate`` etc.: dispatcher, argument checks,
-output allocation, launch), the bare launch (``sites.kernel_launch``: arguments checked once, outputs
-allocated once, Triton's launcher only) and the op inside a compiled graph; then the ``cProfile`` of the
-public op's calls, the functions with the most own time first.
+the device's), for the public op (``public_op``: ``h3_fused.kernels.norm_modulate`` etc., dispatcher, argument checks,
+output allocation, launch), the bare launch (``bare_launch``: ``sites.kernel_launch``, arguments checked
+once, outputs allocated once, Triton's launcher only) and the op inside a compiled graph (``in_graph``); then the ``cProfile`` of the
+calls of each way named in ``--profile``, the functions with the most own time first.
 """
 
 from __future__ import annotations
@@ -42,24 +43,28 @@ def main():
     parser.add_argument("--sites", nargs="+", default=["A", "B", "C"], choices=["A", "B", "C"])
     parser.add_argument("--tokens", type=int, default=3072)
     parser.add_argument("--calls", type=int, default=300)
+    parser.add_argument("--profile", nargs="*", default=["public_op", "in_graph"],
+                        choices=["public_op", "bare_launch", "in_graph"])
     parser.add_argument("--profile-lines", type=int, default=25)
     args = parser.parse_args()
     for site in args.sites:
         inputs = make_inputs(site, args.tokens)
         op = fused_site(site, "bf16")
         compiled = torch.compile(fused_site(site, "bf16"))
-        ways = {"public op": lambda: op(**inputs), "bare launch": kernel_launch(site, inputs, "bf16"),
-                "in compiled graph": lambda: compiled(**inputs)}
+        ways = {"public_op": lambda: op(**inputs), "bare_launch": kernel_launch(site, inputs, "bf16"),
+                "in_graph": lambda: compiled(**inputs)}
         times = {name: host_us_per_call(call, args.calls) for name, call in ways.items()}
         print(f"{site} T={args.tokens}: " + "  ".join(f"{name} {us:6.1f} us" for name, us in times.items()),
               flush=True)
-        profile = cProfile.Profile()
-        profile.enable()
-        for _ in range(args.calls):
-            op(**inputs)
-        profile.disable()
-        torch.cuda.synchronize()
-        pstats.Stats(profile, stream=sys.stdout).sort_stats("tottime").print_stats(args.profile_lines)
+        for name in args.profile:
+            print(f"{site} T={args.tokens}, {name}:")
+            profile = cProfile.Profile()
+            profile.enable()
+            for _ in range(args.calls):
+                ways[name]()
+            profile.disable()
+            torch.cuda.synchronize()
+            pstats.Stats(profile, stream=sys.stdout).sort_stats("tottime").print_stats(args.profile_lines)
 
 
 if __name__ == "__main__":
