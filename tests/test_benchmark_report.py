@@ -1,0 +1,50 @@
+"""``benchmarks/report.py``: the op tables of docs/BENCHMARKS.md and the README, from a benchmark JSON."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+from report import README_COLUMNS, main  # noqa: E402
+
+MEASURED = ["eager", "inductor", "inductor_epc", "hand_fused", "h3_fused_fp32", "h3_fused_bf16"]
+
+
+def _rows() -> list[dict]:
+    rows = []
+    for tokens in (3072, 15808):
+        for i, variant in enumerate(MEASURED):
+            rows.append(dict(gpu="H200", torch="2.11", triton="3.6", site="A", T=tokens, variant=variant,
+                             us=30.0 + i, us_graph=20.0 + i, roof_gbs=4000.0, roof_share=0.5 + i / 100,
+                             mismatch=0.0 if variant == "eager" else 3.2e-6))
+        rows.append(dict(gpu="H200", torch="2.11", triton="3.6", site="A", T=tokens, variant="copy_same_bytes",
+                         us_graph=18.2, roof_gbs=4000.0, roof_share=0.857))
+    return rows
+
+
+def _report(tmp_path, capsys, readme: bool) -> list[str]:
+    src = tmp_path / "ops.json"
+    src.write_text(json.dumps(_rows()))
+    main(str(src), readme)
+    return capsys.readouterr().out.strip().splitlines()
+
+
+def test_readme_table_has_the_readme_columns_and_the_mismatch_in_each_sites_first_row(tmp_path, capsys):
+    header, rule, first, second = _report(tmp_path, capsys, readme=True)
+    assert header == "| site | T | " + " | ".join(README_COLUMNS.values()) + " |"
+    assert rule.count("---") == len(README_COLUMNS) + 2
+    cells = [c.strip() for c in first.strip("|").split("|")]
+    assert cells[:3] == ["A", "3,072", "18.2 us, 85.7%"]
+    assert cells[-1] == "25.0 us, 55.0%, mm 3.2e-6"  # h3_fused_bf16: 20 + 5 us
+    assert cells[3] == "20.0 us, 50.0%"  # eager: bit-identical to itself, no mismatch shown
+    assert "mm" not in second
+
+
+def test_benchmarks_table_has_every_variant_with_its_call_time(tmp_path, capsys):
+    lines = _report(tmp_path, capsys, readme=False)
+    assert lines[0] == "H200, torch 2.11, triton 3.6, copy bandwidth 4000 GB/s"
+    assert lines[2] == "| site | T | " + " | ".join(MEASURED + ["copy_same_bytes"]) + " |"
+    assert "25.0 us (55%), call 35 us, mm 3.2e-06" in lines[4]
+    assert lines[4].endswith("| 18.2 us (86%) |")
