@@ -351,6 +351,7 @@ def launch_config(hidden: int, has_gate: bool, has_norm: bool, rows: int | None)
     if padded > MAX_BLOCK_H:
         raise ValueError(f"H={hidden} exceeds the kernel's limit of {MAX_BLOCK_H}")
     block_t = max(1, 2048 // padded)
+
     def at_most(bound: int) -> bool:  # a symbolic count takes the many-rows choice
         return rows is not None and rows <= bound
 
