@@ -2,7 +2,7 @@
 layout, median of ``--rounds`` alternating rounds of device time after an L2 flush (as
 ``bench_ops.py``), each against the configuration ``launch_config`` ships for that row count:
 
-- ``shipped``: ``launch_config(H, gated, normed, T)``;
+- ``shipped``: what ``launch_config`` picks for the site at ``T`` rows;
 - ``w4_ahead`` / ``w8_ahead``: one row per program on 4 / 8 warps, chunks of one 16-byte vector per
   thread, the table rows loaded ahead (``tables_ahead``), the shipped warming of coming table rows;
 - ``w4`` / ``w8``: the same with the table rows loaded just before their use.
@@ -19,15 +19,15 @@ import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_ops import HIDDEN, alternating_medians, relative_times  # noqa: E402
-from sites import INDEX_LAYOUTS, kernel_launch, make_inputs, with_launch_config  # noqa: E402
+from sites import INDEX_LAYOUTS, kernel_launch, make_inputs, shipped_launch_config, with_launch_config  # noqa: E402
 
 TABLE_ROWS = 6
 
 
 def configurations(site: str, tokens: int) -> dict:
-    from h3_fused.kernels.triton_modulation import LaunchConfig, launch_config
+    from h3_fused.kernels.triton_modulation import LaunchConfig
 
-    named = {"shipped": launch_config(HIDDEN, site != "A", site != "C", tokens)}
+    named = {"shipped": shipped_launch_config(site, HIDDEN, tokens)}
     for warps in (4, 8):
         for ahead in (False, True):
             named[f"w{warps}" + ("_ahead" if ahead else "")] = LaunchConfig(1, 32 * warps * 8, warps, ahead)

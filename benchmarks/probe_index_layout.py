@@ -26,7 +26,14 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_ops import HIDDEN, alternating_medians, relative_times  # noqa: E402
-from sites import INDEX_LAYOUTS, identical_outputs, kernel_launch, make_inputs, with_launch_config  # noqa: E402
+from sites import (  # noqa: E402
+    INDEX_LAYOUTS,
+    identical_outputs,
+    kernel_launch,
+    make_inputs,
+    shipped_launch_config,
+    with_launch_config,
+)
 
 TABLE_ROWS = 6
 
@@ -46,13 +53,11 @@ def main():
     parser.add_argument("--layouts", nargs="+", default=None, help="default: all")
     parser.add_argument("--ahead", nargs="+", type=int, default=[1024, 0])
     args = parser.parse_args()
-    from h3_fused.kernels.triton_modulation import launch_config
-
     for case in args.cases:
         site, tokens = case.split(":")
         tokens = int(tokens)
         inputs = make_inputs(site, tokens, HIDDEN, TABLE_ROWS)
-        shipped = launch_config(HIDDEN, site != "A", site != "C", tokens)
+        shipped = shipped_launch_config(site, HIDDEN, tokens)
         runs, same = {}, {}
         for name, index in layouts(tokens).items():
             if args.layouts and name not in args.layouts:

@@ -17,14 +17,19 @@ import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_ops import HIDDEN, alternating_medians, relative_times  # noqa: E402
-from sites import identical_outputs, kernel_launch, load_kernel_module, make_inputs, with_launch_config  # noqa: E402
+from sites import (  # noqa: E402
+    identical_outputs,
+    kernel_launch,
+    load_kernel_module,
+    make_inputs,
+    shipped_launch_config,
+    with_launch_config,
+)
 
 ORDERS = {"tables_after": False, "tables_ahead": True}
 
 
 def main():
-    from h3_fused.kernels.triton_modulation import launch_config
-
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--baseline", required=True)
     parser.add_argument("--rounds", type=int, default=5)
@@ -36,7 +41,7 @@ def main():
         site, tokens = case.split(":")
         tokens = int(tokens)
         inputs = make_inputs(site, tokens, HIDDEN)
-        shipped = launch_config(HIDDEN, site == "B", True, tokens)
+        shipped = shipped_launch_config(site, HIDDEN, tokens)
         for policy in ("bf16", "fp32"):
             launches = {"baseline": kernel_launch(site, inputs, policy, kernel_module=baseline)}
             runs = dict(launches)

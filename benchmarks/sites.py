@@ -98,6 +98,14 @@ def kernel_launch(site: str, inputs: dict, policy: str, wrap=lambda kernel: kern
     return launch
 
 
+def shipped_launch_config(site: str, hidden: int, rows: int | None):
+    """The configuration ``launch_config`` picks for ``site`` (A: a norm; B: a gate and a norm; C: a gate) at
+    ``hidden`` columns and ``rows`` rows (None: a symbolic count)."""
+    from h3_fused.kernels.triton_modulation import launch_config
+
+    return launch_config(hidden, site != "A", site != "C", rows)
+
+
 def identical_outputs(outputs, others) -> bool:
     """Whether two ``(u, y)`` tuples (e.g. ``kernel_launch(...).outputs``) are bit-identical wherever the
     first has an output."""

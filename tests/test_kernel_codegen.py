@@ -17,15 +17,15 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
-from h3_fused.kernels.triton_modulation import launch_config  # noqa: E402
 from sass_counts import compile_site  # noqa: E402
+from sites import shipped_launch_config  # noqa: E402
 
 HIDDEN = 5376
 ROW_COUNTS = pytest.mark.parametrize("rows", [None, 1], ids=["many_rows", "few_rows"])
 
 
 def ptx_ops(site: str, policy: str, rows: int | None) -> list[str]:
-    ptx = compile_site(site, policy, HIDDEN, launch_config(HIDDEN, site in "BC", site in "AB", rows)).asm["ptx"]
+    ptx = compile_site(site, policy, HIDDEN, shipped_launch_config(site, HIDDEN, rows)).asm["ptx"]
     return re.findall(r"^\s+((?:fma|mul|add)\.[\w.]+)", ptx, re.M)
 
 

@@ -23,8 +23,8 @@ from torch._higher_order_ops.triton_kernel_wrap import get_mutated_tensors, kern
 from triton.backends.compiler import GPUTarget
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
-from h3_fused.kernels.triton_modulation import launch_config, modulation_kernel  # noqa: E402
-from sites import kernel_launch, make_inputs, with_launch_config  # noqa: E402
+from h3_fused.kernels.triton_modulation import modulation_kernel  # noqa: E402
+from sites import kernel_launch, make_inputs, shipped_launch_config, with_launch_config  # noqa: E402
 
 HIDDEN = 5376
 
@@ -78,7 +78,7 @@ class _Captured:
 def test_inductor_sees_writes_to_the_outputs_only(hopper_target, site, policy, rows, table_rows):
     captured = _Captured()
     launch = kernel_launch(site, make_inputs(site, 4, HIDDEN, table_rows, device="cpu"), policy, wrap=captured)
-    with_launch_config(launch, launch_config(HIDDEN, site != "A", site != "C", rows))()
+    with_launch_config(launch, shipped_launch_config(site, HIDDEN, rows))()
     tensors = {name: v for name, v in captured.arguments.items() if isinstance(v, torch.Tensor)}
     constants = {name: v for name, v in captured.arguments.items() if name not in tensors}
     written = get_mutated_tensors(kernel_side_table.add_kernel(modulation_kernel),
