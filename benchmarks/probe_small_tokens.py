@@ -37,7 +37,14 @@ import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_ops import HIDDEN, alternating_rounds, graph_ms  # noqa: E402
-from sites import LaunchOptions, kernel_launch, make_inputs, minimal_bytes, with_launch_config  # noqa: E402
+from sites import (  # noqa: E402
+    LaunchOptions,
+    kernel_launch,
+    make_inputs,
+    minimal_bytes,
+    shipped_launch_config,
+    with_launch_config,
+)
 
 TOKENS = (1024, 3072, 6144, 9216, 15808)
 WORK = ("copy", "norm", "modulate")
@@ -93,11 +100,9 @@ def row_probe_kernel(x_ptr, w_ptr, shift_ptr, scale_ptr, idx_ptr, y_ptr, times_p
 
 def probe(work: str, inputs: dict, times: torch.Tensor | None = None):
     """A launch of ``row_probe_kernel`` doing ``work`` on site A's ``inputs`` (``times``: record a timeline)."""
-    from h3_fused.kernels.triton_modulation import launch_config
-
     x = inputs["x"]
     y = torch.empty_like(x)
-    config = launch_config(HIDDEN, False, True, None)
+    config = shipped_launch_config("A", HIDDEN, None)
     timeline = times is not None
 
     def run():
