@@ -20,6 +20,7 @@ does, instead of drawing each row's table row independently (``sites.make_inputs
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -111,36 +112,35 @@ def run(args) -> list[dict]:
     roof = copy_bandwidth()
     print(f"copy bandwidth {roof:.0f} GB/s on {torch.cuda.get_device_name()}; index layout {args.index}", flush=True)
     rows = []
-    for site in args.sites:
-        for tokens in args.tokens:
-            inputs = make_inputs(site, tokens, HIDDEN, index_layout=args.index)
-            ref_u, ref_y = outputs(site, eager_site(site)(**inputs))
-            nbytes = minimal_bytes(site, tokens, HIDDEN)
-            for name, fn in ([] if args.sweep_only else variants(site)):
-                u, y = outputs(site, fn(**inputs))
-                mismatches = dict(mismatch=mismatch(y, ref_y) if y is not None else mismatch(u, ref_u),
-                                  mismatch_u=mismatch(u, ref_u) if u is not None else None)
-                del u, y
-                ms = do_bench(lambda fn=fn, inputs=inputs: fn(**inputs), return_mode="median")
-                ms_graph = graph_ms(lambda fn=fn, inputs=inputs: fn(**inputs))
-                gbs = nbytes / ms_graph / 1e6
-                row = dict(site=site, T=tokens, H=HIDDEN, index=args.index, variant=name, ms=ms, us=ms * 1e3, ms_graph=ms_graph,
-                           us_graph=ms_graph * 1e3, gbs=gbs, roof_gbs=roof, roof_share=gbs / roof, **mismatches)
-                rows.append(row)
-                print(f"{site} T={tokens:6d} {name:24s} {row['us']:9.1f} us (graph {row['us_graph']:8.1f} us) "
-                      f"{gbs:7.0f} GB/s "
-                      f"{100 * row['roof_share']:5.1f}%  mismatch {row['mismatch']:.2e}", flush=True)
-            again_u, again_y = outputs(site, eager_site(site)(**inputs))
-            if not identical_outputs((again_u, again_y), (ref_u, ref_y)):
-                raise RuntimeError(f"site {site} T={tokens}: eager's output changed during the run (inputs or "
-                                   f"reference overwritten); its mismatch column cannot be trusted")
-            rows.append(same_bytes_copy(site, tokens, nbytes, roof))
-            if args.sweep or args.sweep_only:
-                rows += sweep(site, tokens, inputs, nbytes, roof, args.sweep_policies, (ref_u, ref_y))
+    for hidden, site, tokens in itertools.product(args.hidden, args.sites, args.tokens):
+        inputs = make_inputs(site, tokens, hidden, index_layout=args.index)
+        ref_u, ref_y = outputs(site, eager_site(site)(**inputs))
+        nbytes = minimal_bytes(site, tokens, hidden)
+        for name, fn in ([] if args.sweep_only else variants(site)):
+            u, y = outputs(site, fn(**inputs))
+            mismatches = dict(mismatch=mismatch(y, ref_y) if y is not None else mismatch(u, ref_u),
+                              mismatch_u=mismatch(u, ref_u) if u is not None else None)
+            del u, y
+            ms = do_bench(lambda fn=fn, inputs=inputs: fn(**inputs), return_mode="median")
+            ms_graph = graph_ms(lambda fn=fn, inputs=inputs: fn(**inputs))
+            gbs = nbytes / ms_graph / 1e6
+            row = dict(site=site, T=tokens, H=hidden, index=args.index, variant=name, ms=ms, us=ms * 1e3, ms_graph=ms_graph,
+                       us_graph=ms_graph * 1e3, gbs=gbs, roof_gbs=roof, roof_share=gbs / roof, **mismatches)
+            rows.append(row)
+            print(f"{site} H={hidden} T={tokens:6d} {name:24s} {row['us']:9.1f} us (graph {row['us_graph']:8.1f} us) "
+                  f"{gbs:7.0f} GB/s "
+                  f"{100 * row['roof_share']:5.1f}%  mismatch {row['mismatch']:.2e}", flush=True)
+        again_u, again_y = outputs(site, eager_site(site)(**inputs))
+        if not identical_outputs((again_u, again_y), (ref_u, ref_y)):
+            raise RuntimeError(f"site {site} T={tokens}: eager's output changed during the run (inputs or "
+                               f"reference overwritten); its mismatch column cannot be trusted")
+        rows.append(same_bytes_copy(site, tokens, hidden, nbytes, roof))
+        if args.sweep or args.sweep_only:
+            rows += sweep(site, tokens, hidden, inputs, nbytes, roof, args.sweep_policies, (ref_u, ref_y))
     return rows
 
 
-def sweep_configs():
+def sweep_configs(hidden: int):
     """The launch configurations the sweep times, one row per program: 1 to 8 warps reading the row in
     chunks of one 16-byte vector per thread (on 4 and 8 warps also with the table rows loaded ahead),
     and 4 and 8 warps reading it as one padded block. Two rows per program and 16 warps lost everywhere
@@ -148,19 +148,19 @@ def sweep_configs():
     in run 13; persistent programs with a software-pipelined row loop lost everywhere in run 26."""
     from h3_fused.kernels.triton_modulation import LaunchConfig
 
-    padded = triton.next_power_of_2(HIDDEN)
+    padded = triton.next_power_of_2(hidden)
     for warps, chunk in [(w, 32 * w * 8) for w in (1, 2, 4, 8)] + [(4, padded), (8, padded)]:
         yield LaunchConfig(1, chunk, warps)
     for warps in (4, 8):
         yield LaunchConfig(1, 32 * warps * 8, warps, tables_ahead=True)
 
 
-def sweep(site, tokens, inputs, nbytes, roof, policies, reference) -> list[dict]:
+def sweep(site, tokens, hidden, inputs, nbytes, roof, policies, reference) -> list[dict]:
     """Each configuration timed as ``graph_ms``; ``mismatch``: the share of elements not bit-identical to
     ``reference`` (eager's ``(u, y)``; for site B of ``y``, and ``mismatch_u`` of the residual)."""
     rows = []
     for policy in policies:
-        for config in sweep_configs():
+        for config in sweep_configs(hidden):
             base = kernel_launch(site, inputs, policy)
             launch = with_launch_config(base, config)
             compiled = launch()
@@ -171,7 +171,7 @@ def sweep(site, tokens, inputs, nbytes, roof, policies, reference) -> list[dict]
                      "mismatch_u": mismatch(u, reference[0]) if u is not None else None}
             name = (f"sweep_w{config.num_warps}_chunk{config.chunk}" + ("_ahead" if config.tables_ahead else "")
                     + ("_fp32" if policy == "fp32" else ""))
-            rows.append(dict(site=site, T=tokens, variant=name, policy=policy, ms=ms, gbs=gbs, roof_gbs=roof,
+            rows.append(dict(site=site, T=tokens, H=hidden, variant=name, policy=policy, ms=ms, gbs=gbs, roof_gbs=roof,
                              roof_share=gbs / roof, regs=compiled.n_regs, spills=compiled.n_spills, **exact))
             print(f"   {name:36s} {ms * 1e3:8.1f} us {100 * gbs / roof:5.1f}% "
                   f"regs {compiled.n_regs} spills {compiled.n_spills} "
@@ -179,16 +179,16 @@ def sweep(site, tokens, inputs, nbytes, roof, policies, reference) -> list[dict]
     return rows
 
 
-def same_bytes_copy(site, tokens, nbytes, roof) -> dict:
+def same_bytes_copy(site, tokens, hidden, nbytes, roof) -> dict:
     """A device-to-device copy moving the site's minimal bytes (half read, half written), timed as the
     kernels are: what a pure stream of this size reaches, ramp-up and tail included."""
     src = torch.empty(nbytes // 4, dtype=torch.bfloat16, device="cuda")
     dst = torch.empty_like(src)
     ms = graph_ms(lambda: dst.copy_(src))
     gbs = nbytes / ms / 1e6
-    print(f"{site} T={tokens:6d} {'copy of the same bytes':24s} (graph {ms * 1e3:8.1f} us) {gbs:7.0f} GB/s "
+    print(f"{site} H={hidden} T={tokens:6d} {'copy of the same bytes':24s} (graph {ms * 1e3:8.1f} us) {gbs:7.0f} GB/s "
           f"{100 * gbs / roof:5.1f}%", flush=True)
-    return dict(site=site, T=tokens, H=HIDDEN, variant="copy_same_bytes", ms_graph=ms, us_graph=ms * 1e3, gbs=gbs,
+    return dict(site=site, T=tokens, H=hidden, variant="copy_same_bytes", ms_graph=ms, us_graph=ms * 1e3, gbs=gbs,
                 roof_gbs=roof, roof_share=gbs / roof)
 
 
@@ -197,6 +197,7 @@ def main():
     parser.add_argument("--out", default="benchmarks/results/ops.json")
     parser.add_argument("--sites", nargs="+", default=list(SITES), choices=SITES)
     parser.add_argument("--tokens", nargs="+", type=int, default=list(TOKENS))
+    parser.add_argument("--hidden", nargs="+", type=int, default=[HIDDEN])
     parser.add_argument("--sweep", action="store_true", help="also time the launch configurations")
     parser.add_argument("--sweep-only", action="store_true", help="time only the launch configurations")
     parser.add_argument("--sweep-policies", nargs="+", default=["bf16"], choices=["bf16", "fp32"])

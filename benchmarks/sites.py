@@ -164,6 +164,8 @@ def load_kernel_module(path: str):
     ``git show REV:kernels/triton_modulation.py > FILE``."""
     import importlib.util
 
+    import h3_fused.kernels  # noqa: F401  (the parent package of the copy)
+
     spec = importlib.util.spec_from_file_location("h3_fused.kernels._baseline_modulation", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
