@@ -29,9 +29,10 @@ class Rounding:
     norm_before_weight: ``n = R_A(R_A(u * r) * w)`` (the native RMSNorm) instead of ``R_A(u * r * w)``.
     affine: ``p = R_A(1 + scale[idx])``, ``q = R_A(n * p)`` (bf16/fp16 modulation tables).
     fused_multiply_add: ``res + gate[idx] * branch`` and ``n * p + shift[idx]`` may each be one fused
-    multiply-add, without the fp32 rounding of the product (``fp32`` only, as the upstream fp32 kernels
-    compile them). For a bf16/fp16 gate and branch the product is exact in fp32, so the FMA stores the
-    same residual unless the product overflows or leaves fp32's normal range.
+    multiply-add, without the fp32 rounding of the product (``fp32`` only). With the gate table in the
+    activation dtype (bf16/fp16) the stored residual is the exact sum rounded once to it
+    (``reference.sum_rounded_once``); with an fp32 gate table, the sum rounded to fp32 and then to ``A``.
+    The affine is an fp32 FMA, as the upstream fp32 kernels compile it.
     """
 
     gate_product: bool

@@ -3,8 +3,8 @@
 ``bf16``  every rounding the unfused (eager) graph performs happens at the same point, with no FMA
           contraction across a rounding point: bit-compatible with eager up to the fp32 sum order in
           the norm.
-``fp32``  the gated residual is rounded where the graph stores it; everything after it stays fp32
-          and the output is rounded once.
+``fp32``  the gated residual is rounded where the graph stores it (the exact ``res + gate*branch``
+          rounded once); everything after it stays fp32 and the output is rounded once.
 ``auto``  ``bf16`` on CUDA devices of compute capability 9.x (H100/H200), where the public H3 accuracy
           CI needed eager numerics; ``fp32`` on other CUDA devices (precedent: B300); ``bf16`` on the
           CPU and any other device, where eager-exactness is the only precedent we have.

@@ -3,7 +3,7 @@
 Per row ``t`` (``i = index[t]``, all arithmetic in fp32, ``R`` = round to the activation dtype):
 
     site B/C:  g = gate[i] * branch            (R if ROUND_GATE)
-               u = R(residual + g)             -> stored (B, C; fused with the product if FUSE_MULTIPLY_ADD)
+               u = R(residual + g)             -> stored (B, C; one FMA with the product if FUSE_MULTIPLY_ADD)
     site A:    u = x
     site A/B:  r = rsqrt(sum(u*u) * (1/H) + eps)
                n = u * r                       (R if ROUND_NORM_BEFORE_WEIGHT, then * w if HAS_WEIGHT)
@@ -22,10 +22,15 @@ where the index comes in runs, as in the model, the programs that start a new ru
 in L2 instead of waiting on DRAM.
 
 Multiplies feeding an add are never contracted into an FMA (which would remove the fp32 rounding
-eager performs), except under the ``fp32`` policy (``FUSE_MULTIPLY_ADD``: ``residual + g`` and
-``q + shift`` are each one FMA), as the upstream fp32 kernels compile them. Under the interpreter
-(``PORTABLE``) rounding to bf16 is done on the bits, since the interpreter truncates conversions. An out-of-range index never reads out of bounds (it is clamped for
-the loads) and fails a device-side assertion: the kernel is compiled with ``debug=True`` for direct
+eager performs), except under the ``fp32`` policy (``FUSE_MULTIPLY_ADD``), where ``q + shift`` is one
+fp32 FMA, as the upstream fp32 kernels compile it, and ``residual + g`` one FMA in the activation dtype
+where the gate table has it (``fma.rn.bf16x2``: the exact sum rounded once, which is what ``u = R(residual +
+gate[i] * branch)`` means, in a quarter of the instructions of an fp32 FMA between conversions; through
+fp32 it would be rounded twice, which differs where the product is a tie of bf16 and the residual lies
+below fp32's last place of it), else one fp32 FMA. Under the interpreter (``PORTABLE``) rounding to bf16
+is done on the bits, since the interpreter truncates conversions, and the gated residual goes through
+fp32. An out-of-range index never reads out of bounds (it is clamped for the loads) and fails a
+device-side assertion: the kernel is compiled with ``debug=True`` for direct
 launches, and Inductor compiles it with assertions on (``assert_indirect_indexing``, its default).
 """
 
@@ -157,7 +162,9 @@ def _new_residual(
         branch = tl.load(branch_ptr + rows[:, None] * stride_branch + start + lanes[None, :], mask=mask, other=0.0,
                          cache_modifier=".cg")
         gate = tl.load(gate_ptr + idx[:, None] * stride_gate + start + lanes[None, :], mask=mask, other=0.0)
-        if FUSE_MULTIPLY_ADD:  # explicit, whatever Triton's default for contracting multiply-adds
+        if FUSE_MULTIPLY_ADD and gate.dtype == act and not PORTABLE:  # the exact sum, rounded once
+            u = tl.fma(gate, branch, res).to(tl.float32)
+        elif FUSE_MULTIPLY_ADD:  # explicit, whatever Triton's default for contracting multiply-adds
             u = tl.fma(gate.to(tl.float32), branch.to(tl.float32), res.to(tl.float32))
         elif ROUND_GATE:
             u = res.to(tl.float32) + _rounded_product(gate.to(tl.float32), branch.to(tl.float32), zero, act, PORTABLE)

@@ -1,6 +1,7 @@
 """The fused ops on the CPU: the rounding contract against eager sequences, bad input, opcheck, and
 the Triton kernel's logic under the interpreter."""
 
+import math
 import os
 import subprocess
 import sys
@@ -8,7 +9,9 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from exact_rounding import double_rounding_cases, exact_gated_residual
 from h3_fused.kernels import gate_norm_modulate, gate_residual, norm_modulate
+from h3_fused.kernels.reference import sum_rounded_once
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -92,13 +95,49 @@ def test_fp32_policy_rounds_only_where_stored_and_is_closer_to_fp64():
     u, y = gate_norm_modulate(t["x"], t["gate"], t["branch"], t["weight"], t["shift"], t["scale"], t["index"],
                               eps=1e-5, policy="fp32")
     idx = t["index"]
-    u64 = t["x"].double() + t["gate"].double()[idx] * t["branch"].double()
-    assert torch.equal(u, u64.float().to(bf16))  # one rounding of the fp32 value
+    assert torch.equal(u, exact_gated_residual(t["x"], t["gate"][idx], t["branch"]))  # the exact sum, rounded once
     ud = u.double()
     n = ud * torch.rsqrt(ud.pow(2).mean(-1, keepdim=True) + 1e-5) * t["weight"].double()
     y64 = n * (1 + t["scale"].double()[idx]) + t["shift"].double()[idx]
     y_eager = eager_modulate(eager_norm(u, t["weight"], 1e-5, False), t["shift"], t["scale"], idx, False)
     assert (y.double() - y64).abs().mean() < (y_eager.double() - y64).abs().mean()
+
+
+def _any_finite(dtype):
+    bits = st.integers(0, 0xFFFF).map(lambda b: torch.tensor([b], dtype=torch.int32).to(torch.int16).view(dtype))
+    return bits.filter(lambda v: bool(v.isfinite()))
+
+
+def _tie_plus_power_of_two(dtype):
+    """A product that is a tie of ``dtype`` (``double_rounding_cases``) and a residual of +-2**k, from
+    ``dtype``'s smallest subnormal up to 1 (mostly below fp32's last place of the product)."""
+    ties = double_rounding_cases(dtype, 256)
+    smallest = math.frexp(torch.finfo(dtype).smallest_normal)[1] - 1 - {bf16: 7, torch.float16: 10}[dtype]
+    return st.tuples(st.integers(0, 255), st.integers(smallest, 0), st.sampled_from([1.0, -1.0])).map(
+        lambda c: (torch.tensor([c[2] * 2.0 ** c[1]], dtype=dtype), ties[1][c[0]:c[0] + 1], ties[2][c[0]:c[0] + 1]))
+
+
+@settings(max_examples=400, deadline=None)
+@given(data=st.data(), dtype=st.sampled_from([bf16, torch.float16]))
+def test_sum_rounded_once_is_the_exact_sum_rounded_once(data, dtype):
+    """Any finite residual, gate and branch (every bit pattern: subnormals, overflow of the product), and
+    ties of ``dtype`` plus a residual that fp32 would round away."""
+    anything = st.tuples(_any_finite(dtype), _any_finite(dtype), _any_finite(dtype))
+    r, g, b = data.draw(st.one_of(anything, _tie_plus_power_of_two(dtype)))
+    assert torch.equal(sum_rounded_once(r, g, b, dtype).to(dtype), exact_gated_residual(r, g, b))
+
+
+@pytest.mark.parametrize("dtype", [bf16, torch.float16])
+def test_fp32_policy_rounds_the_gated_residual_once_where_fp32_would_round_twice(dtype):
+    """Products that are ties of the activation dtype plus a residual far below fp32's last place of them."""
+    res, gate, branch = (v.view(8, 32) for v in double_rounding_cases(dtype, 256))
+    exact = exact_gated_residual(res, gate, branch)
+    assert not torch.equal(exact, (res.float() + gate.float() * branch.float()).to(dtype)), "no double rounding"
+    index = torch.arange(8)  # row t reads gate row t
+    assert torch.equal(gate_residual(res, gate, branch, index, policy="fp32"), exact)
+    t = make(tokens=8, hidden=32, rows=8, dtype=dtype)
+    u, _ = gate_norm_modulate(res, gate, branch, t["weight"], t["shift"], t["scale"], index, eps=1e-5, policy="fp32")
+    assert torch.equal(u, exact)
 
 
 def test_strided_activations_and_tables_are_read_in_place():
