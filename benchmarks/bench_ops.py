@@ -14,7 +14,8 @@ copy of the site's minimal bytes: what a pure stream of that size reaches (small
 tail as the kernels do). ``--sweep`` (or ``--sweep-only``) times the kernel the same way at every T
 over launch configurations (``sweep_configs``), under each of ``--sweep-policies``, and prints
 registers and spills of each. ``--index runs`` lays the index out in contiguous runs, as the model
-does, instead of drawing each row's table row independently (``sites.make_inputs``).
+does, instead of drawing each row's table row independently (``sites.make_inputs``). ``--hidden`` times
+every site and T at each of several H (default: the model's 5,376).
 """
 
 from __future__ import annotations

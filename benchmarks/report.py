@@ -2,6 +2,8 @@
 
     python benchmarks/report.py benchmarks/results/ops.json            # docs/BENCHMARKS.md's op table
     python benchmarks/report.py benchmarks/results/ops.json --readme   # the README's
+
+Rows of several hidden sizes (``bench_ops.py --hidden``) get an ``H`` column.
 """
 
 import argparse
@@ -14,22 +16,35 @@ README_COLUMNS = {  # variant: the README's column, in the README's order
 }
 
 
+def _case(r: dict) -> tuple:
+    return r["site"], r.get("H"), r["T"]
+
+
+def _case_columns(rows: list) -> tuple[str, str, object]:
+    """The header and rule of a table's first columns (an ``H`` column where the rows have several H),
+    and the function that writes a case's cells."""
+    if len({r.get("H") for r in rows}) > 1:
+        return "| site | H | T | ", "|---|---|---|", lambda c: f"| {c[0]} | {c[1]:,} | {c[2]:,} | "
+    return "| site | T | ", "|---|---|", lambda c: f"| {c[0]} | {c[2]:,} | "
+
+
 def readme_table(rows: list) -> None:
     """Device time and share per variant; the share of ``y`` not bit-identical to eager (``mm``) in each
     site's first row, for the variants that can differ."""
-    print("| site | T | " + " | ".join(README_COLUMNS.values()) + " |")
-    print("|---|---|" + "---|" * len(README_COLUMNS))
+    header, rule, case_cells = _case_columns(rows)
+    print(header + " | ".join(README_COLUMNS.values()) + " |")
+    print(rule + "---|" * len(README_COLUMNS))
     first_of_site = set()
-    for key in dict.fromkeys((r["site"], r["T"]) for r in rows):
+    for case in dict.fromkeys(map(_case, rows)):
         cells = []
         for variant in README_COLUMNS:
-            r = next(r for r in rows if (r["site"], r["T"], r["variant"]) == (*key, variant))
+            r = next(r for r in rows if (*_case(r), r["variant"]) == (*case, variant))
             cell = f"{r['us_graph']:.1f} us, {100 * r['roof_share']:.1f}%"
-            if key[0] not in first_of_site and r.get("mismatch") is not None and variant not in ("eager", "h3_fused_fp32"):
+            if case[0] not in first_of_site and r.get("mismatch") is not None and variant not in ("eager", "h3_fused_fp32"):
                 cell += f", mm {r['mismatch']:.2g}".replace("e-0", "e-")
             cells.append(cell)
-        first_of_site.add(key[0])
-        print(f"| {key[0]} | {key[1]:,} | " + " | ".join(cells) + " |")
+        first_of_site.add(case[0])
+        print(case_cells(case) + " | ".join(cells) + " |")
 
 
 def main(src: str, readme: bool) -> None:
@@ -42,17 +57,18 @@ def main(src: str, readme: bool) -> None:
     variants = list(dict.fromkeys(r["variant"] for r in main_rows))
     print(f"{rows[0]['gpu']}, torch {rows[0]['torch']}, triton {rows[0]['triton']}, "
           f"copy bandwidth {rows[0]['roof_gbs']:.0f} GB/s\n")
-    print("| site | T | " + " | ".join(variants) + " |")
-    print("|---|---|" + "---|" * len(variants))
-    for key in dict.fromkeys((r["site"], r["T"]) for r in main_rows):
+    header, rule, case_cells = _case_columns(main_rows)
+    print(header + " | ".join(variants) + " |")
+    print(rule + "---|" * len(variants))
+    for case in dict.fromkeys(map(_case, main_rows)):
         cells = []
         for v in variants:
-            r = next(r for r in main_rows if (r["site"], r["T"], r["variant"]) == (*key, v))
+            r = next(r for r in main_rows if (*_case(r), r["variant"]) == (*case, v))
             cell = f"{r['us_graph']:.1f} us ({100 * r['roof_share']:.0f}%)"
             if "us" in r:  # not the copy of the same bytes, which has no call time or outputs
                 cell += f", call {r['us']:.0f} us, mm {r['mismatch']:.1e}"
             cells.append(cell)
-        print(f"| {key[0]} | {key[1]:,} | " + " | ".join(cells) + " |")
+        print(case_cells(case) + " | ".join(cells) + " |")
     sweeps = [r for r in rows if r["variant"].startswith("sweep")]
     if sweeps:
         print("\n| site | T | config | us | share | regs | spills |\n|---|---|---|---|---|---|---|")

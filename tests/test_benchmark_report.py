@@ -12,21 +12,22 @@ from report import README_COLUMNS, main  # noqa: E402
 MEASURED = ["eager", "inductor", "inductor_epc", "hand_fused", "h3_fused_fp32", "h3_fused_bf16"]
 
 
-def _rows() -> list[dict]:
+def _rows(hidden=(5376,), tokens=(3072, 15808)) -> list[dict]:
     rows = []
-    for tokens in (3072, 15808):
-        for i, variant in enumerate(MEASURED):
-            rows.append(dict(gpu="H200", torch="2.11", triton="3.6", site="A", T=tokens, variant=variant,
-                             us=30.0 + i, us_graph=20.0 + i, roof_gbs=4000.0, roof_share=0.5 + i / 100,
-                             mismatch=0.0 if variant == "eager" else 3.2e-6))
-        rows.append(dict(gpu="H200", torch="2.11", triton="3.6", site="A", T=tokens, variant="copy_same_bytes",
-                         us_graph=18.2, roof_gbs=4000.0, roof_share=0.857))
+    for h in hidden:
+        for t in tokens:
+            for i, variant in enumerate(MEASURED):
+                rows.append(dict(gpu="H200", torch="2.11", triton="3.6", site="A", H=h, T=t, variant=variant,
+                                 us=30.0 + i, us_graph=20.0 + i + h / 1024, roof_gbs=4000.0,
+                                 roof_share=0.5 + i / 100, mismatch=0.0 if variant == "eager" else 3.2e-6))
+            rows.append(dict(gpu="H200", torch="2.11", triton="3.6", site="A", H=h, T=t, variant="copy_same_bytes",
+                             us_graph=18.2, roof_gbs=4000.0, roof_share=0.857))
     return rows
 
 
-def _report(tmp_path, capsys, readme: bool) -> list[str]:
+def _report(tmp_path, capsys, readme: bool, rows=None) -> list[str]:
     src = tmp_path / "ops.json"
-    src.write_text(json.dumps(_rows()))
+    src.write_text(json.dumps(rows or _rows(hidden=(1024,))))
     main(str(src), readme)
     return capsys.readouterr().out.strip().splitlines()
 
@@ -37,8 +38,8 @@ def test_readme_table_has_the_readme_columns_and_the_mismatch_in_each_sites_firs
     assert rule.count("---") == len(README_COLUMNS) + 2
     cells = [c.strip() for c in first.strip("|").split("|")]
     assert cells[:3] == ["A", "3,072", "18.2 us, 85.7%"]
-    assert cells[-1] == "25.0 us, 55.0%, mm 3.2e-6"  # h3_fused_bf16: 20 + 5 us
-    assert cells[3] == "20.0 us, 50.0%"  # eager: bit-identical to itself, no mismatch shown
+    assert cells[-1] == "26.0 us, 55.0%, mm 3.2e-6"  # h3_fused_bf16: 20 + 5 + 1 us
+    assert cells[3] == "21.0 us, 50.0%"  # eager: bit-identical to itself, no mismatch shown
     assert "mm" not in second
 
 
@@ -46,5 +47,14 @@ def test_benchmarks_table_has_every_variant_with_its_call_time(tmp_path, capsys)
     lines = _report(tmp_path, capsys, readme=False)
     assert lines[0] == "H200, torch 2.11, triton 3.6, copy bandwidth 4000 GB/s"
     assert lines[2] == "| site | T | " + " | ".join(MEASURED + ["copy_same_bytes"]) + " |"
-    assert "25.0 us (55%), call 35 us, mm 3.2e-06" in lines[4]
+    assert "26.0 us (55%), call 35 us, mm 3.2e-06" in lines[4]
     assert lines[4].endswith("| 18.2 us (86%) |")
+
+
+def test_rows_of_several_hidden_sizes_get_an_h_column_and_their_own_rows(tmp_path, capsys):
+    for readme in (True, False):
+        lines = _report(tmp_path, capsys, readme, rows=_rows(hidden=(2048, 4096), tokens=(15808,)))
+        table = lines if readme else lines[2:]
+        assert table[0].startswith("| site | H | T | ") and table[1].startswith("|---|---|---|")
+        assert [row.split("|")[2:4] for row in table[2:]] == [[" 2,048 ", " 15,808 "], [" 4,096 ", " 15,808 "]]
+        assert "22.0 us" in table[2] and "24.0 us" in table[3]  # eager: 20 + H / 1024 us
