@@ -25,9 +25,9 @@ Multiplies feeding an add are never contracted into an FMA (which would remove t
 eager performs), except under the ``fp32`` policy (``FUSE_MULTIPLY_ADD``), where ``q + shift`` is one
 fp32 FMA, as the upstream fp32 kernels compile it, and ``residual + g`` one FMA in the activation dtype
 where the gate table has it (``fma.rn.bf16x2``: the exact sum rounded once, which is what ``u = R(residual +
-gate[i] * branch)`` means, in a quarter of the instructions of an fp32 FMA between conversions; through
-fp32 it would be rounded twice, which differs where the product is a tie of bf16 and the residual lies
-below fp32's last place of it), else one fp32 FMA. Under the interpreter (``PORTABLE``) rounding to bf16
+gate[i] * branch)`` means, without converting the operands to fp32 and the sum back; through fp32 it
+would be rounded twice, which differs where the product is a tie of bf16 and the residual lies below
+fp32's last place of it), else one fp32 FMA. Under the interpreter (``PORTABLE``) rounding to bf16
 is done on the bits, since the interpreter truncates conversions, and the gated residual goes through
 fp32. An out-of-range index never reads out of bounds (it is clamped for the loads) and fails a
 device-side assertion: the kernel is compiled with ``debug=True`` for direct
