@@ -73,6 +73,22 @@ def test_fp32_policy_rounds_the_gated_residual_once_where_fp32_would_round_twice
     assert torch.equal(u, exact)
 
 
+@pytest.mark.parametrize("policy", ["bf16", "fp32"])
+def test_nan_and_inf_propagate_as_in_eager(policy):
+    """NaN, +Inf and -Inf in the residual, the branch and a gate row reach ``u`` and ``y`` where eager's
+    graph puts them (the finite values follow the policy)."""
+    inputs = make_inputs("B", 64, 5376)
+    inputs["residual"][1, 3], inputs["residual"][2, 5] = float("nan"), float("inf")
+    inputs["branch"][3, 0], inputs["branch"][4, 7] = -float("inf"), float("inf")
+    inputs["gate"][inputs["index"][5], 9] = float("inf")
+    inputs["branch"][5, 9] = 0.0  # inf * 0: NaN
+    got, ref = fused_site("B", policy)(**inputs), eager_site("B")(**inputs)
+    assert got[0].isnan().any() and got[0].isinf().any() and got[1].isnan().any()  # the norm turns Inf into NaN
+    for g, r in zip(got, ref):
+        assert torch.equal(g.isnan(), r.isnan()) and torch.equal(g.isinf(), r.isinf())
+        assert torch.equal(g[g.isinf()], r[r.isinf()])
+
+
 def test_in_compiled_graph_obeys_the_policy():
     inputs = make_inputs("B", 15808)
     ref_u, ref_y = eager_site("B")(**inputs)
