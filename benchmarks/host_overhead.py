@@ -1,14 +1,16 @@
 """Host time per call of each way to run a site, and where the calls spend it.
 
     python benchmarks/host_overhead.py [--sites A B C] [--tokens 3072] [--calls 300]
-        [--profile public_op bare_launch in_graph]
+        [--profile public_op op_body check_args bare_launch in_graph]
 
 For each site: the microseconds of host time per call, ``--calls`` calls back to back with one
 synchronisation at the end (a call that outruns the GPU queues work, so this is the host's rate, not
 the device's), for the public op (``public_op``: ``h3_fused.kernels.norm_modulate`` etc., dispatcher, argument checks,
-output allocation, launch), the bare launch (``bare_launch``: ``sites.kernel_launch``, arguments checked
-once, outputs allocated once, Triton's launcher only) and the op inside a compiled graph (``in_graph``); then the ``cProfile`` of the
-calls of each way named in ``--profile``, the functions with the most own time first.
+output allocation, launch), the op's own body without the dispatcher (``op_body``: argument checks,
+output allocation, launch), the argument checks alone (``check_args``), the bare launch
+(``bare_launch``: ``sites.kernel_launch``, arguments checked once, outputs allocated once, Triton's
+launcher only) and the op inside a compiled graph (``in_graph``); then the ``cProfile`` of the calls of
+each way named in ``--profile``, the functions with the most own time first.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import sys
 import time
 
 import torch
+from h3_fused.kernels.contract import check_args
 
 sys.path.insert(0, os.path.dirname(__file__))
 from sites import fused_site, kernel_launch, make_inputs  # noqa: E402
@@ -44,15 +47,17 @@ def main():
     parser.add_argument("--tokens", type=int, default=3072)
     parser.add_argument("--calls", type=int, default=300)
     parser.add_argument("--profile", nargs="*", default=["public_op", "in_graph"],
-                        choices=["public_op", "bare_launch", "in_graph"])
+                        choices=["public_op", "op_body", "check_args", "bare_launch", "in_graph"])
     parser.add_argument("--profile-lines", type=int, default=25)
     args = parser.parse_args()
     for site in args.sites:
         inputs = make_inputs(site, args.tokens)
         op = fused_site(site, "bf16")
         compiled = torch.compile(fused_site(site, "bf16"))
-        ways = {"public_op": lambda: op(**inputs), "bare_launch": kernel_launch(site, inputs, "bf16"),
-                "in_graph": lambda: compiled(**inputs)}
+        body = fused_site(site, "bf16", dispatcher=False)
+        ways = {"public_op": lambda: op(**inputs), "op_body": lambda: body(**inputs),
+                "check_args": lambda: check_args(**inputs, policy="bf16", has_norm=site != "C"),
+                "bare_launch": kernel_launch(site, inputs, "bf16"), "in_graph": lambda: compiled(**inputs)}
         times = {name: host_us_per_call(call, args.calls) for name, call in ways.items()}
         print(f"{site} T={args.tokens}: " + "  ".join(f"{name} {us:6.1f} us" for name, us in times.items()),
               flush=True)

@@ -64,9 +64,14 @@ def eager_site(site: str):
     return {"A": eager_a, "B": eager_b, "C": eager_c}[site]
 
 
-def fused_site(site: str, policy: str):
+def fused_site(site: str, policy: str, *, dispatcher: bool = True):
+    """A call of the site's public op; ``dispatcher=False``: of the op's own Python body, as the op's
+    CUDA kernel runs it (``triton_op``'s registered function), without the dispatcher's layers."""
     from h3_fused.kernels import gate_norm_modulate, gate_residual, norm_modulate
 
+    if not dispatcher:
+        norm_modulate, gate_norm_modulate, gate_residual = (
+            op._init_fn for op in (norm_modulate, gate_norm_modulate, gate_residual))
     if site == "A":
         return lambda x, weight, shift, scale, index, eps: norm_modulate(
             x, weight, shift, scale, index, eps=eps, policy=policy)
