@@ -1,6 +1,6 @@
 """Instruction mix of the shipped kernel per site and policy, compiled for sm_90 without a GPU.
 
-    python benchmarks/sass_counts.py [--hidden 5376]
+    python benchmarks/sass_counts.py [--hidden 5376] [--dump FILE]
 
 Compiles ``modulation_kernel`` with the launch configuration the ops use (pointers, strides and the row
 count 16-divisible, as Triton specialises them for the benchmark's shapes), disassembles it with the
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import itertools
 import os
 import re
 import subprocess
@@ -49,21 +50,36 @@ def compile_site(site: str, policy: str, hidden: int, config=None):
                           options=dict(num_warps=config.num_warps, debug=True))
 
 
-def instruction_mix(cubin: bytes) -> tuple[int, collections.Counter]:
+def _cuobjdump(cubin: bytes, what: str) -> str:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        sass = subprocess.run([CUOBJDUMP, "--dump-sass", f.name], capture_output=True, text=True, check=True).stdout
-        usage = subprocess.run([CUOBJDUMP, "--dump-resource-usage", f.name], capture_output=True, text=True,
-                               check=True).stdout
-    opcodes = re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]+)", sass)
-    return int(re.search(r"REG:(\d+)", usage).group(1)), collections.Counter(opcodes)
+        return subprocess.run([CUOBJDUMP, what, f.name], capture_output=True, text=True, check=True).stdout
+
+
+def instructions(cubin: bytes) -> list[str]:
+    """The SASS instructions, in order, without addresses and encodings."""
+    return re.findall(r"/\*[0-9a-f]{4}\*/\s+([^;]*;)", _cuobjdump(cubin, "--dump-sass"))
+
+
+def instruction_mix(cubin: bytes) -> tuple[int, collections.Counter]:
+    opcodes = [re.match(r"(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]+)", i).group(1) for i in instructions(cubin)]
+    return int(re.search(r"REG:(\d+)", _cuobjdump(cubin, "--dump-resource-usage")).group(1)), collections.Counter(opcodes)
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hidden", type=int, default=5376)
+    parser.add_argument("--dump", help="write every build's SASS (the builds for many rows, one row and 3,072 "
+                                       "rows, each site and policy) to this file, to diff two commits' builds")
     args = parser.parse_args()
+    if args.dump:
+        with open(args.dump, "w") as f:
+            for rows, site, policy in itertools.product((None, 1, 3072), "ABC", ("bf16", "fp32")):
+                config = launch_config(args.hidden, site != "A", site != "C", rows)
+                f.write(f"== {site} {policy} rows={rows} {config}\n")
+                f.write("\n".join(instructions(compile_site(site, policy, args.hidden, config).asm["cubin"])) + "\n")
+        return
     print(f"triton {triton.__version__}, sm_90, H = {args.hidden}\n")
     print("| site | policy | registers | instructions per thread | most frequent |\n|---|---|---|---|---|")
     for site in "ABC":

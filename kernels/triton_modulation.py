@@ -27,9 +27,9 @@ fp32 FMA, as the upstream fp32 kernels compile it, and ``residual + g`` one FMA 
 where the gate table has it (``fma.rn.bf16x2``: the exact sum rounded once, which is what ``u = R(residual +
 gate[i] * branch)`` means, without converting the operands to fp32 and the sum back; through fp32 it
 would be rounded twice, which differs where the product is a tie of bf16 and the residual lies below
-fp32's last place of it), else one fp32 FMA. Under the interpreter (``PORTABLE``) rounding to bf16
-is done on the bits, since the interpreter truncates conversions, and the gated residual goes through
-fp32. An out-of-range index never reads out of bounds (it is clamped for the loads) and fails a
+fp32's last place of it; ``_sum_rounded_once``), else one fp32 FMA. Under the interpreter
+(``PORTABLE``) rounding to bf16 is done on the bits, since the interpreter truncates conversions. An
+out-of-range index never reads out of bounds (it is clamped for the loads) and fails a
 device-side assertion: the kernel is compiled with ``debug=True`` for direct
 launches, and Inductor compiles it with assertions on (``assert_indirect_indexing``, its default).
 """
@@ -87,6 +87,28 @@ def _rounded_product(a, b, zero, dtype: tl.constexpr, PORTABLE: tl.constexpr):
         return _rounded(a * b, dtype, PORTABLE)
     bits = (a * b).to(dtype).to(tl.int16, bitcast=True) ^ zero.to(tl.int16)
     return bits.to(dtype, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _sum_rounded_once(gate, branch, res, PORTABLE: tl.constexpr):
+    """``res + gate * branch`` of operands in the activation dtype, as fp32 values whose rounding to that
+    dtype (``_rounded``) is the exact sum's one rounding. Compiled: one FMA in the dtype
+    (``fma.rn.bf16x2``), already rounded. Interpreted (``PORTABLE``: no bf16 arithmetic there): the fp32
+    sum and its exact error (TwoSum; the product of two bf16/fp16 values is exact in fp32 within its
+    range) rounded to odd, toward zero with the last bit set where inexact, which leaves the one rounding
+    that follows to decide as the exact sum would."""
+    if not PORTABLE:
+        return tl.fma(gate, branch, res).to(tl.float32)
+    p = gate.to(tl.float32) * branch.to(tl.float32)
+    r = res.to(tl.float32)
+    s = r + p
+    t = s - r
+    e = (r - (s - t)) + (p - t)
+    inexact = (e != 0) & (e == e)  # e is NaN where the sum is not finite: left as it is
+    beyond = inexact & ((e < 0) == (s > 0))  # s lies past the exact sum, away from zero
+    bits = s.to(tl.int32, bitcast=True)
+    bits = tl.where(beyond, bits - 1, bits) | inexact.to(tl.int32)
+    return bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -162,8 +184,8 @@ def _new_residual(
         branch = tl.load(branch_ptr + rows[:, None] * stride_branch + start + lanes[None, :], mask=mask, other=0.0,
                          cache_modifier=".cg")
         gate = tl.load(gate_ptr + idx[:, None] * stride_gate + start + lanes[None, :], mask=mask, other=0.0)
-        if FUSE_MULTIPLY_ADD and gate.dtype == act and not PORTABLE:  # the exact sum, rounded once
-            u = tl.fma(gate, branch, res).to(tl.float32)
+        if FUSE_MULTIPLY_ADD and gate.dtype == act:
+            u = _sum_rounded_once(gate, branch, res, PORTABLE)
         elif FUSE_MULTIPLY_ADD:  # explicit, whatever Triton's default for contracting multiply-adds
             u = tl.fma(gate.to(tl.float32), branch.to(tl.float32), res.to(tl.float32))
         elif ROUND_GATE:

@@ -299,6 +299,29 @@ def test_triton_kernel_logic_under_the_interpreter():
     assert "interpreted kernel OK" in run_interpreted(INTERPRETED)
 
 
+TIES = r"""
+import sys
+import torch
+sys.path.insert(0, TESTS)
+from exact_rounding import double_rounding_cases, exact_gated_residual
+from h3_fused.kernels import gate_norm_modulate, gate_residual
+for dtype in (torch.bfloat16, torch.float16):
+    res, gate, branch = (v.view(8, 32) for v in double_rounding_cases(dtype, 256))
+    exact = exact_gated_residual(res, gate, branch)
+    index = torch.arange(8)  # row t reads gate row t
+    assert torch.equal(gate_residual(res, gate, branch, index, policy="fp32"), exact), dtype
+    weight, shift, scale = torch.ones(32, dtype=dtype), 0.3 * gate, 0.1 * gate
+    u, _ = gate_norm_modulate(res, gate, branch, weight, shift, scale, index, eps=1e-5, policy="fp32")
+    assert torch.equal(u, exact), dtype
+print("ties OK")
+""".replace("TESTS", repr(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_fp32_gated_residual_rounds_once_under_the_interpreter():
+    """The kernel's interpreted path (TwoSum, round-to-odd) on the ties where fp32 would round twice."""
+    assert "ties OK" in run_interpreted(TIES)
+
+
 CHUNKED = SITE_INPUTS + r"""
 import itertools
 from h3_fused.kernels import gate_norm_modulate, gate_residual, norm_modulate
