@@ -1,6 +1,6 @@
 """One parameterised Triton kernel for the three modulation sites, and its launcher.
 
-Per row ``t`` (``i = index[t]``, all arithmetic in fp32, ``R`` = round to the activation dtype):
+Per row ``t`` (``i = index[t]``, arithmetic in fp32 unless said below, ``R`` = round to the activation dtype):
 
     site B/C:  g = gate[i] * branch            (R if ROUND_GATE)
                u = R(residual + g)             -> stored (B, C; one FMA with the product if FUSE_MULTIPLY_ADD)
@@ -28,10 +28,11 @@ where the gate table has it (``fma.rn.bf16x2``: the exact sum rounded once, whic
 gate[i] * branch)`` means, without converting the operands to fp32 and the sum back; through fp32 it
 would be rounded twice, which differs where the product is a tie of bf16 and the residual lies below
 fp32's last place of it; ``_sum_rounded_once``), else one fp32 FMA. Under the interpreter
-(``PORTABLE``) rounding to bf16 is done on the bits, since the interpreter truncates conversions. An
-out-of-range index never reads out of bounds (it is clamped for the loads) and fails a
-device-side assertion: the kernel is compiled with ``debug=True`` for direct
-launches, and Inductor compiles it with assertions on (``assert_indirect_indexing``, its default).
+(``PORTABLE``) rounding to bf16 is done on the bits, since the interpreter truncates conversions.
+
+An out-of-range index never reads out of bounds (it is clamped for the loads) and fails a device-side
+assertion: the kernel is compiled with ``debug=True`` for direct launches, and Inductor compiles it
+with assertions on (``assert_indirect_indexing``, its default).
 """
 
 from __future__ import annotations
