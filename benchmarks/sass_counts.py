@@ -17,14 +17,18 @@ import itertools
 import os
 import re
 import subprocess
+import sys
 import tempfile
 
 import torch
 import triton
 from h3_fused.kernels.contract import rounding_for
-from h3_fused.kernels.triton_modulation import launch_config, modulation_kernel, specialisation
+from h3_fused.kernels.triton_modulation import modulation_kernel, specialisation
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+
+sys.path.insert(0, os.path.dirname(__file__))
+from sites import shipped_launch_config  # noqa: E402
 
 POINTERS = ("x_ptr", "res_ptr", "branch_ptr", "gate_ptr", "w_ptr", "shift_ptr", "scale_ptr", "u_ptr", "y_ptr")
 SCALARS = dict(n_rows="i32", num_table_rows="i32", eps="fp32", stride_x="i32", stride_res="i32",
@@ -35,7 +39,7 @@ CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia",
 def compile_site(site: str, policy: str, hidden: int, config=None):
     """``modulation_kernel`` compiled for sm_90 as the ops launch it (or with ``config``)."""
     gate, norm = site in "BC", site in "AB"
-    config = config or launch_config(hidden, gate, norm, None)
+    config = config or shipped_launch_config(site, hidden, None)
     r = rounding_for(policy, torch.bfloat16, torch.bfloat16 if gate else None, torch.bfloat16 if norm else None,
                      norm_rounds_before_weight=False, upcast_tables=False)
     constants = specialisation(hidden, gate, norm, norm, r, config, portable=False)
@@ -76,7 +80,7 @@ def main():
     if args.dump:
         with open(args.dump, "w") as f:
             for rows, site, policy in itertools.product((None, 1, 3072), "ABC", ("bf16", "fp32")):
-                config = launch_config(args.hidden, site != "A", site != "C", rows)
+                config = shipped_launch_config(site, args.hidden, rows)
                 f.write(f"== {site} {policy} rows={rows} {config}\n")
                 f.write("\n".join(instructions(compile_site(site, policy, args.hidden, config).asm["cubin"])) + "\n")
         return

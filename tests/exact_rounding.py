@@ -58,3 +58,20 @@ def double_rounding_cases(dtype: torch.dtype, count: int) -> tuple[torch.Tensor,
     branch = (mantissas[second[pick]].double() * 2.0 ** (7 - bits)).to(dtype)
     tiny = torch.where(torch.arange(count) % 2 == 0, 1.0, -1.0) * torch.finfo(dtype).smallest_normal
     return tiny.to(dtype), gate, branch
+
+
+def assert_fp32_gated_residual_rounds_once(dtype: torch.dtype, device: str = "cpu") -> None:
+    """Under ``fp32``, ``gate_residual`` (site C) and ``gate_norm_modulate`` (site B) store the exact
+    ``res + gate * branch`` rounded once on ``double_rounding_cases``, where rounding through fp32 would
+    differ (asserted too, so that the cases bite)."""
+    from h3_fused.kernels import gate_norm_modulate, gate_residual
+
+    res, gate, branch = (v.view(8, 32) for v in double_rounding_cases(dtype, 256))
+    exact = exact_gated_residual(res, gate, branch).to(device)
+    res, gate, branch = res.to(device), gate.to(device), branch.to(device)
+    assert not torch.equal(exact, (res.float() + gate.float() * branch.float()).to(dtype)), "no double rounding"
+    index = torch.arange(8, device=device)  # row t reads gate row t
+    assert torch.equal(gate_residual(res, gate, branch, index, policy="fp32"), exact), dtype
+    weight, shift, scale = torch.ones(32, dtype=dtype, device=device), 0.3 * gate, 0.1 * gate
+    u, _ = gate_norm_modulate(res, gate, branch, weight, shift, scale, index, eps=1e-5, policy="fp32")
+    assert torch.equal(u, exact), dtype

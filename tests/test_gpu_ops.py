@@ -8,7 +8,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
-from exact_rounding import double_rounding_cases, exact_gated_residual  # noqa: E402
+from exact_rounding import assert_fp32_gated_residual_rounds_once  # noqa: E402
 from h3_fused.kernels.reference import sum_rounded_once  # noqa: E402
 from sites import eager_site, fused_site, make_inputs  # noqa: E402
 
@@ -63,14 +63,7 @@ def test_fp32_policy_error_no_larger_than_eager():
 def test_fp32_policy_rounds_the_gated_residual_once_where_fp32_would_round_twice(dtype):
     """The kernel's multiply-add in the activation dtype: products that are ties of it plus a residual far
     below fp32's last place of them, against the exact sum rounded once (fractions), in sites B and C."""
-    res, gate, branch = (v.view(8, 32).cuda() for v in double_rounding_cases(dtype, 256))
-    exact = exact_gated_residual(res.cpu(), gate.cpu(), branch.cpu()).cuda()
-    assert not torch.equal(exact, (res.float() + gate.float() * branch.float()).to(dtype)), "no double rounding"
-    index = torch.arange(8, device="cuda")  # row t reads gate row t
-    assert torch.equal(fused_site("C", "fp32")(res, gate, branch, index), exact)
-    tables = make_inputs("B", 8, 32, table_rows=8, dtype=dtype)
-    u, _ = fused_site("B", "fp32")(res, gate, branch, tables["weight"], tables["shift"], tables["scale"], index, 1e-5)
-    assert torch.equal(u, exact)
+    assert_fp32_gated_residual_rounds_once(dtype, "cuda")
 
 
 @pytest.mark.parametrize("policy", ["bf16", "fp32"])

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from exact_rounding import double_rounding_cases, exact_gated_residual
+from exact_rounding import assert_fp32_gated_residual_rounds_once, double_rounding_cases, exact_gated_residual
 from h3_fused.kernels import gate_norm_modulate, gate_residual, norm_modulate
 from h3_fused.kernels.reference import sum_rounded_once
 from hypothesis import given, settings
@@ -130,14 +130,7 @@ def test_sum_rounded_once_is_the_exact_sum_rounded_once(data, dtype):
 @pytest.mark.parametrize("dtype", [bf16, torch.float16])
 def test_fp32_policy_rounds_the_gated_residual_once_where_fp32_would_round_twice(dtype):
     """Products that are ties of the activation dtype plus a residual far below fp32's last place of them."""
-    res, gate, branch = (v.view(8, 32) for v in double_rounding_cases(dtype, 256))
-    exact = exact_gated_residual(res, gate, branch)
-    assert not torch.equal(exact, (res.float() + gate.float() * branch.float()).to(dtype)), "no double rounding"
-    index = torch.arange(8)  # row t reads gate row t
-    assert torch.equal(gate_residual(res, gate, branch, index, policy="fp32"), exact)
-    t = make(tokens=8, hidden=32, rows=8, dtype=dtype)
-    u, _ = gate_norm_modulate(res, gate, branch, t["weight"], t["shift"], t["scale"], index, eps=1e-5, policy="fp32")
-    assert torch.equal(u, exact)
+    assert_fp32_gated_residual_rounds_once(dtype)
 
 
 def test_strided_activations_and_tables_are_read_in_place():
@@ -303,16 +296,9 @@ TIES = r"""
 import sys
 import torch
 sys.path.insert(0, TESTS)
-from exact_rounding import double_rounding_cases, exact_gated_residual
-from h3_fused.kernels import gate_norm_modulate, gate_residual
+from exact_rounding import assert_fp32_gated_residual_rounds_once
 for dtype in (torch.bfloat16, torch.float16):
-    res, gate, branch = (v.view(8, 32) for v in double_rounding_cases(dtype, 256))
-    exact = exact_gated_residual(res, gate, branch)
-    index = torch.arange(8)  # row t reads gate row t
-    assert torch.equal(gate_residual(res, gate, branch, index, policy="fp32"), exact), dtype
-    weight, shift, scale = torch.ones(32, dtype=dtype), 0.3 * gate, 0.1 * gate
-    u, _ = gate_norm_modulate(res, gate, branch, weight, shift, scale, index, eps=1e-5, policy="fp32")
-    assert torch.equal(u, exact), dtype
+    assert_fp32_gated_residual_rounds_once(dtype)
 print("ties OK")
 """.replace("TESTS", repr(os.path.dirname(os.path.abspath(__file__))))
 
