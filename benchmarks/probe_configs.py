@@ -5,10 +5,12 @@ layout, median of ``--rounds`` alternating rounds of device time after an L2 flu
 - ``shipped``: what ``launch_config`` picks for the site at ``T`` rows;
 - ``w4_ahead`` / ``w8_ahead``: one row per program on 4 / 8 warps, chunks of one 16-byte vector per
   thread, the table rows loaded ahead (``tables_ahead``), the shipped warming of coming table rows;
-- ``w4`` / ``w8``: the same with the table rows loaded just before their use.
+- ``w4`` / ``w8``: the same with the table rows loaded just before their use;
+- ``shipped_maxnreg``: the shipped configuration with ptxas capping the registers per thread at
+  ``--maxnreg`` (more programs per SM where the build needs more), added when that option is given.
 
     python benchmarks/probe_configs.py [--cases A:2048 A:3072 A:4096] [--policies bf16 fp32]
-        [--index uniform runs] [--configs shipped w4_ahead w8]
+        [--index uniform runs] [--configs shipped w4_ahead w8] [--maxnreg 64]
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_ops import HIDDEN, alternating_medians, relative_times  # noqa: E402
-from sites import INDEX_LAYOUTS, kernel_launch, make_inputs, shipped_launch_config, with_launch_config  # noqa: E402
+from sites import INDEX_LAYOUTS, LaunchOptions, kernel_launch, make_inputs, shipped_launch_config, with_launch_config  # noqa: E402
 
 TABLE_ROWS = 6
 
@@ -41,7 +43,9 @@ def main():
     parser.add_argument("--policies", nargs="+", default=["bf16", "fp32"], choices=["bf16", "fp32"])
     parser.add_argument("--index", nargs="+", default=list(INDEX_LAYOUTS), choices=INDEX_LAYOUTS)
     parser.add_argument("--configs", nargs="+", default=["shipped", "w4_ahead", "w8_ahead"])
+    parser.add_argument("--maxnreg", type=int, help="also the shipped configuration with this register cap")
     args = parser.parse_args()
+    names = args.configs + ["shipped_maxnreg"] * (args.maxnreg is not None)
     for case in args.cases:
         site, tokens = case.split(":")
         tokens = int(tokens)
@@ -50,13 +54,16 @@ def main():
             inputs = make_inputs(site, tokens, HIDDEN, TABLE_ROWS, index_layout=layout)
             runs = {}
             for policy in args.policies:
-                for name in args.configs:
-                    runs[name, policy] = with_launch_config(kernel_launch(site, inputs, policy), named[name])
+                for name in names:
+                    capped = name == "shipped_maxnreg"
+                    wrap = LaunchOptions(maxnreg=args.maxnreg) if capped else (lambda kernel: kernel)
+                    config = named["shipped" if capped else name]
+                    runs[name, policy] = with_launch_config(kernel_launch(site, inputs, policy, wrap), config)
                     runs[name, policy]()
             med = alternating_medians(runs, args.rounds)
             for policy in args.policies:
                 print(f"{site} T={tokens:6d} {layout:7s} {policy} shipped={named['shipped']}: "
-                      + relative_times({name: med[name, policy] for name in args.configs}, "shipped"), flush=True)
+                      + relative_times({name: med[name, policy] for name in names}, "shipped"), flush=True)
 
 
 if __name__ == "__main__":
