@@ -64,14 +64,15 @@ def eager_site(site: str):
     return {"A": eager_a, "B": eager_b, "C": eager_c}[site]
 
 
-def fused_site(site: str, policy: str, *, dispatcher: bool = True):
-    """A call of the site's public op; ``dispatcher=False``: of the op's own Python body, as the op's
-    CUDA kernel runs it (``triton_op``'s registered function), without the dispatcher's layers."""
+def fused_site(site: str, policy: str, *, dispatcher: bool = False):
+    """A call of the site's public function (``h3_fused.kernels.*``: in eager, the op's body without the
+    dispatcher); ``dispatcher=True``: of the op through the dispatcher (``torch.ops.h3_fused.*``), as a
+    tracer or mode sees it."""
     from h3_fused.kernels import gate_norm_modulate, gate_residual, norm_modulate
 
-    if not dispatcher:
+    if dispatcher:
         norm_modulate, gate_norm_modulate, gate_residual = (
-            op._init_fn for op in (norm_modulate, gate_norm_modulate, gate_residual))
+            op.dispatched for op in (norm_modulate, gate_norm_modulate, gate_residual))
     if site == "A":
         return lambda x, weight, shift, scale, index, eps: norm_modulate(
             x, weight, shift, scale, index, eps=eps, policy=policy)

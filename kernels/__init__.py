@@ -1,7 +1,8 @@
 """Fused AdaLN modulation kernels of h3_fused: Triton on CUDA, pure torch elsewhere.
 
 ``norm_modulate`` (site A), ``gate_norm_modulate`` (site B) and ``gate_residual`` (site C) are
-registered as ``torch.ops.h3_fused.*``; see ``ops.py`` for the math and ``policy.py`` for policies.
+registered as ``torch.ops.h3_fused.*``, and these functions call them (in eager, their bodies directly:
+``direct_call.py``); see ``ops.py`` for the math and ``policy.py`` for policies.
 """
 
 from .contract import Rounding, rounding_for

@@ -1,17 +1,29 @@
-"""The fused modulation ops, ``torch.ops.h3_fused.*``.
+"""The fused modulation ops, ``torch.ops.h3_fused.*``, and the public functions that call them.
 
 Each op is a ``torch.library.triton_op``: under ``torch.compile`` its body is traced, so on CUDA the
 Triton kernel is inlined into Inductor's generated code (no dispatcher call). CPU tensors (and any
 device Triton must not be launched on) go through ``h3_fused::reference_modulation``, an opaque op
 that runs the pure-torch implementation (bit-identical to eager on the CPU under ``bf16``).
+
+The public functions ``norm_modulate``, ``gate_norm_modulate`` and ``gate_residual`` take the op's
+arguments and call its body directly where no tracer, mode or transform could see the call and autograd
+would not record it (``direct_call``), else the op: in eager the dispatcher's layers cost more host time
+than the kernel takes at small T. The body launches the kernel without ``wrap_triton`` on the same
+condition. The op (``public_function.op``) is what graphs hold and what ``opcheck`` checks.
+
+The ops have no backward yet: a call where grad mode is on and an input requires grad is refused where it
+is made, naming the input (``_refuse_grad``), instead of when ``backward`` reaches the op.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch.library import custom_op, triton_op, wrap_triton
 
 from .contract import ModulationArgs, check_args
+from .direct_call import needs_grad, untraced
 from .reference import reference_modulation
 from .triton_modulation import interpreting, launch_modulation
 
@@ -38,9 +50,10 @@ def _run(a: ModulationArgs, raw: dict, want_u: bool, want_y: bool):
     if a.device.type == "cpu":  # the Triton interpreter: validate indices on the host
         _check_index_on_host(a)
     u, y = _empty_outputs(a, want_u, want_y)
-    # the interpreter (eager kernel tests on CPU tensors) launches directly: torch 2.12's wrap_triton
-    # refuses its interpreted functions
-    launch_modulation(a, u, y, (lambda kernel: kernel) if interpreting() else wrap_triton)
+    # wrap_triton is for tracers; an untraced call launches directly. The interpreter (eager kernel tests on
+    # CPU tensors) always does: torch 2.12's wrap_triton refuses its interpreted functions
+    direct = interpreting() or untraced(raw.values())
+    launch_modulation(a, u, y, (lambda kernel: kernel) if direct else wrap_triton)
     return u, y
 
 
@@ -76,7 +89,53 @@ def _(x, residual, branch, gate, weight, shift, scale, index, eps, policy, norm_
     return (nothing if gate is None else out), (nothing if scale is None else torch.empty_like(out))
 
 
-@triton_op("h3_fused::norm_modulate", mutates_args=())
+def _refuse_grad(op_name: str):
+    """The ``setup_context`` (which autograd calls only where grad mode is on and a tensor argument
+    requires grad) and ``backward`` of ``h3_fused::op_name``: both raise, so the call fails where it is
+    made."""
+    names = [a.name for a in getattr(torch.ops.h3_fused, op_name).default._schema.arguments]
+
+    def message(name: str) -> str:
+        return (f"{name} requires grad, but h3_fused::{op_name} has no backward yet: call it under "
+                f"torch.no_grad() or torch.inference_mode(), or pass {name}.detach()")
+
+    def setup_context(ctx, inputs, keyword_only_inputs, output):
+        raise NotImplementedError(message(next(n for n, v in zip(names, inputs)
+                                               if isinstance(v, torch.Tensor) and v.requires_grad)))
+
+    def backward(ctx, *grads):  # register_autograd needs one; setup_context has refused before it is needed
+        raise NotImplementedError(message("an input"))
+
+    return backward, setup_context
+
+
+class PublicOp:
+    """The public function of the ``triton_op`` ``h3_fused::name`` whose body is ``body`` (registered here,
+    with ``_refuse_grad``): a call runs the body itself where ``untraced`` allows it and autograd would not
+    record it, else goes through the dispatcher (``dispatched``, ``torch.ops.h3_fused.name``). ``op`` is the
+    ``CustomOpDef``."""
+
+    def __init__(self, name: str, body):
+        self.op = triton_op(f"h3_fused::{name}", mutates_args=())(body)
+        backward, setup_context = _refuse_grad(name)
+        self.op.register_autograd(backward, setup_context=setup_context)
+        self.body = body
+        self.dispatched = getattr(torch.ops.h3_fused, name)
+        functools.update_wrapper(self, body)
+
+    def __call__(self, *args, **kwargs):
+        values = (*args, *kwargs.values())
+        if untraced(values) and not needs_grad(values):
+            return self.body(*args, **kwargs)
+        return self.dispatched(*args, **kwargs)
+
+
+def _public_op(name: str):
+    """The decorator that makes a body the ``PublicOp`` ``name``."""
+    return functools.partial(PublicOp, name)
+
+
+@_public_op("norm_modulate")
 def norm_modulate(
     x: Tensor, weight: Tensor | None, shift: Tensor, scale: Tensor, index: Tensor, *,
     eps: float = 1e-6, policy: str = "auto", norm_rounds_before_weight: bool = False,
@@ -90,7 +149,7 @@ def norm_modulate(
     return _run(a, raw, want_u=False, want_y=True)[1]
 
 
-@triton_op("h3_fused::gate_norm_modulate", mutates_args=())
+@_public_op("gate_norm_modulate")
 def gate_norm_modulate(
     residual: Tensor, gate: Tensor, branch: Tensor, weight: Tensor | None, shift: Tensor, scale: Tensor,
     index: Tensor, *, eps: float = 1e-6, policy: str = "auto", norm_rounds_before_weight: bool = False,
@@ -105,7 +164,7 @@ def gate_norm_modulate(
     return u, y
 
 
-@triton_op("h3_fused::gate_residual", mutates_args=())
+@_public_op("gate_residual")
 def gate_residual(
     residual: Tensor, gate: Tensor, branch: Tensor, index: Tensor, *, policy: str = "auto",
     upcast_tables: bool = False,
