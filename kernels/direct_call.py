@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import torch
 
-
 SCALARS = (bool, int, float, str)
 PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)  # a Parameter dispatches as a plain tensor
 

@@ -3,10 +3,9 @@ moded, transformed, profiled or grad-recording call goes through the dispatcher 
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-
 from h3_fused.kernels import gate_norm_modulate, gate_residual, norm_modulate
 from h3_fused.kernels.direct_call import untraced
+from torch.utils._python_dispatch import TorchDispatchMode
 
 bf16 = torch.bfloat16
 
