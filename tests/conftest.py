@@ -19,8 +19,12 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(scope="session", autouse=True)
-def probed_inductor_numerics():
-    """Probe once, before any test compiles, whether Inductor reproduces eager here (helpers.py)."""
+def probed_inductor_numerics(request):
+    """Probe once, before any test compiles, whether Inductor reproduces eager on the CPU here (helpers.py).
+    Not for a session of GPU tests only (``pytest -m gpu``), which never ask: the probe compiles C++ and
+    took 74-78 s of the GPU suite on the H200 box (runs 56, 57)."""
+    if all("gpu" in item.keywords for item in request.session.items):
+        return None
     from helpers import inductor_matches_eager_on_cpu
 
     matches = inductor_matches_eager_on_cpu()
