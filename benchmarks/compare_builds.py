@@ -18,15 +18,15 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
+from bench_ops import mismatch  # noqa: E402
 from sites import INDEX_LAYOUTS, SITES, kernel_launch, load_kernel_module, make_inputs  # noqa: E402
 
 
 def differences(got: torch.Tensor | None, other: torch.Tensor | None) -> str:
     if got is None:
         return "-"
-    differ = got.view(torch.int16) != other.view(torch.int16)
     largest = (got.float() - other.float()).abs().max().item()
-    return f"{differ.float().mean().item():.2e} (largest {largest:.3g})"
+    return f"{mismatch(got, other):.2e} (largest {largest:.3g})"
 
 
 def main():

@@ -21,9 +21,9 @@ PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)  # a Parameter dispatches as 
 def untraced(values) -> bool:
     """Whether no tracer, mode or transform could see a call with these argument values: each is None, a
     Python scalar, a plain ``torch.Tensor`` or an ``nn.Parameter`` (not another subclass, such as a fake,
-    functional or distributed tensor, nor an FX proxy), and there is no ``torch.compile`` tracing, TorchScript tracing, Python dispatch mode, torch
-    function mode (``with torch.device(...)`` is one), functorch transform (vmap, grad, functionalize) or
-    autograd profiler active."""
+    functional or distributed tensor, nor an FX proxy), and there is no ``torch.compile`` or TorchScript
+    tracing, Python dispatch mode, torch function mode (``with torch.device(...)`` is one), functorch
+    transform (vmap, grad, functionalize) or autograd profiler active."""
     return (not torch.compiler.is_compiling()
             and all(v is None or type(v) in PLAIN_TENSORS or type(v) in SCALARS for v in values)
             and torch._C._len_torch_dispatch_stack() == 0

@@ -5,19 +5,15 @@ import pytest
 import torch
 from h3_fused.kernels import gate_norm_modulate, gate_residual, norm_modulate
 from h3_fused.kernels.direct_call import untraced
+from test_ops_cpu import make as make_inputs
 from torch.utils._python_dispatch import TorchDispatchMode
 
-bf16 = torch.bfloat16
 
-
-def make(tokens=8, hidden=64, rows=3):
-    g = torch.Generator().manual_seed(0)
-    tables = (0.3 * torch.randn(rows, 3 * hidden, generator=g)).to(bf16).chunk(3, dim=-1)
-    return dict(x=torch.randn(tokens, hidden, generator=g).to(bf16),
-                branch=torch.randn(tokens, hidden, generator=g).to(bf16),
-                weight=torch.nn.Parameter(torch.ones(hidden, dtype=bf16), requires_grad=False),
-                shift=tables[0], scale=tables[1], gate=tables[2],
-                index=torch.randint(0, rows, (tokens,), generator=g))
+def make():
+    """``test_ops_cpu.make``'s inputs, the weight as a model holds it: an ``nn.Parameter``."""
+    t = make_inputs(tokens=8, hidden=64, rows=3)
+    t["weight"] = torch.nn.Parameter(t["weight"], requires_grad=False)
+    return t
 
 
 def call_each(t):
