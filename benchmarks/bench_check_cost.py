@@ -2,6 +2,7 @@
 ``bf16`` compiled without its device-side index assertion, timed in alternation.
 
     python benchmarks/bench_check_cost.py --out benchmarks/results/check_cost.json [--baseline FILE]
+        [--sites A B C] [--tokens 3072 15808 63232] [--hidden 5376]
 
 ``--baseline FILE`` (a ``kernels/triton_modulation.py`` of another commit, ``git show
 REV:kernels/triton_modulation.py > FILE``) adds that kernel under both policies to the alternation, and
@@ -16,6 +17,7 @@ GPU's clocks between variants cancels; the table gives the median of the rounds 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -44,28 +46,30 @@ def main():
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--baseline", help="a kernels/triton_modulation.py of another commit to compare with")
     parser.add_argument("--index", default="uniform", choices=INDEX_LAYOUTS, help="layout of the index (sites.make_inputs)")
+    parser.add_argument("--sites", nargs="+", default=list(SITES), choices=SITES)
+    parser.add_argument("--tokens", nargs="+", type=int, default=list(TOKENS))
+    parser.add_argument("--hidden", nargs="+", type=int, default=[HIDDEN])
     args = parser.parse_args()
     baseline = load_kernel_module(args.baseline) if args.baseline else None
     rows = []
     extra = " baseline bf16 us (this vs it) | baseline fp32 us (this vs it) |" if baseline else ""
-    print("| site | T | bf16 us | fp32 us (vs bf16) | bf16 without index check us (check costs) |" + extra
-          + "\n|---|---|---|---|---|" + "---|---|" * bool(baseline))
-    for site in SITES:
-        for tokens in TOKENS:
-            runs = launchers(site, make_inputs(site, tokens, HIDDEN, index_layout=args.index), baseline)
-            asserts = {name: "__assertfail" in run().asm["ptx"] for name, run in runs.items()}
-            if asserts != {name: name != "bf16_no_index_check" for name in runs}:
-                raise RuntimeError(f"unexpected assertions in the compiled kernels: {asserts}")
-            times = alternating_rounds(runs, args.rounds)
-            us = {name: statistics.median(t) for name, t in times.items()}
-            rows.append(dict(site=site, T=tokens, index=args.index, us=us, rounds=times, gpu=torch.cuda.get_device_name(),
-                             torch=torch.__version__, triton=triton.__version__))
-            line = (f"| {site} | {tokens:,} | {us['bf16']:.1f} | {us['fp32']:.1f} ({us['fp32'] / us['bf16'] - 1:+.1%}) | "
-                    f"{us['bf16_no_index_check']:.1f} ({us['bf16'] / us['bf16_no_index_check'] - 1:+.1%}) |")
-            if baseline:
-                line += "".join(f" {us[f'baseline_{p}']:.1f} ({us[p] / us[f'baseline_{p}'] - 1:+.1%}) |"
-                                for p in ("bf16", "fp32"))
-            print(line, flush=True)
+    print("| site | H | T | bf16 us | fp32 us (vs bf16) | bf16 without index check us (check costs) |" + extra
+          + "\n|---|---|---|---|---|---|" + "---|---|" * bool(baseline))
+    for hidden, site, tokens in itertools.product(args.hidden, args.sites, args.tokens):
+        runs = launchers(site, make_inputs(site, tokens, hidden, index_layout=args.index), baseline)
+        asserts = {name: "__assertfail" in run().asm["ptx"] for name, run in runs.items()}
+        if asserts != {name: name != "bf16_no_index_check" for name in runs}:
+            raise RuntimeError(f"unexpected assertions in the compiled kernels: {asserts}")
+        times = alternating_rounds(runs, args.rounds)
+        us = {name: statistics.median(t) for name, t in times.items()}
+        rows.append(dict(site=site, H=hidden, T=tokens, index=args.index, us=us, rounds=times, gpu=torch.cuda.get_device_name(),
+                         torch=torch.__version__, triton=triton.__version__))
+        line = (f"| {site} | {hidden:,} | {tokens:,} | {us['bf16']:.1f} | {us['fp32']:.1f} ({us['fp32'] / us['bf16'] - 1:+.1%}) | "
+                f"{us['bf16_no_index_check']:.1f} ({us['bf16'] / us['bf16_no_index_check'] - 1:+.1%}) |")
+        if baseline:
+            line += "".join(f" {us[f'baseline_{p}']:.1f} ({us[p] / us[f'baseline_{p}'] - 1:+.1%}) |"
+                            for p in ("bf16", "fp32"))
+        print(line, flush=True)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(rows, f, indent=1)

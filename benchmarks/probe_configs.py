@@ -3,14 +3,17 @@ layout, median of ``--rounds`` alternating rounds of device time after an L2 flu
 ``bench_ops.py``), each against the configuration ``launch_config`` ships for that row count:
 
 - ``shipped``: what ``launch_config`` picks for the site at ``T`` rows;
-- ``w4_ahead`` / ``w8_ahead``: one row per program on 4 / 8 warps, chunks of one 16-byte vector per
-  thread, the table rows loaded ahead (``tables_ahead``), the shipped warming of coming table rows;
-- ``w4`` / ``w8``: the same with the table rows loaded just before their use;
+- ``w2_ahead`` / ``w4_ahead`` / ``w8_ahead``: one row per program on 2 / 4 / 8 warps, chunks of one
+  16-byte vector per thread, the table rows loaded ahead (``tables_ahead``), the shipped warming of coming table rows;
+- ``w2`` / ``w4`` / ``w8``: the same with the table rows loaded just before their use;
 - ``shipped_maxnreg``: the shipped configuration with ptxas capping the registers per thread at
-  ``--maxnreg`` (more programs per SM where the build needs more), added when that option is given.
+  ``--maxnreg`` (more programs per SM where the build needs more), added when that option is given;
+- ``inductor_epc``: the eager site compiled by Inductor with ``emulate_precision_casts`` (bit-exact to
+  eager, as ``bf16`` is), added with ``--inductor``; one compile serves both policies' lines.
 
     python benchmarks/probe_configs.py [--cases A:2048 A:3072 A:4096] [--policies bf16 fp32]
-        [--index uniform runs] [--configs shipped w4_ahead w8] [--maxnreg 64]
+        [--index uniform runs] [--configs shipped w4_ahead w8] [--maxnreg 64] [--hidden 5376]
+        [--inductor]
 """
 
 from __future__ import annotations
@@ -19,18 +22,28 @@ import argparse
 import os
 import sys
 
+import torch
+
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_ops import HIDDEN, alternating_medians, relative_times  # noqa: E402
-from sites import INDEX_LAYOUTS, LaunchOptions, kernel_launch, make_inputs, shipped_launch_config, with_launch_config  # noqa: E402
+from sites import (  # noqa: E402
+    INDEX_LAYOUTS,
+    LaunchOptions,
+    eager_site,
+    kernel_launch,
+    make_inputs,
+    shipped_launch_config,
+    with_launch_config,
+)
 
 TABLE_ROWS = 6
 
 
-def configurations(site: str, tokens: int) -> dict:
+def configurations(site: str, tokens: int, hidden: int) -> dict:
     from h3_fused.kernels.triton_modulation import LaunchConfig
 
-    named = {"shipped": shipped_launch_config(site, HIDDEN, tokens)}
-    for warps in (4, 8):
+    named = {"shipped": shipped_launch_config(site, hidden, tokens)}
+    for warps in (2, 4, 8):
         for ahead in (False, True):
             named[f"w{warps}" + ("_ahead" if ahead else "")] = LaunchConfig(1, 32 * warps * 8, warps, ahead)
     return named
@@ -44,14 +57,16 @@ def main():
     parser.add_argument("--index", nargs="+", default=list(INDEX_LAYOUTS), choices=INDEX_LAYOUTS)
     parser.add_argument("--configs", nargs="+", default=["shipped", "w4_ahead", "w8_ahead"])
     parser.add_argument("--maxnreg", type=int, help="also the shipped configuration with this register cap")
+    parser.add_argument("--hidden", type=int, default=HIDDEN)
+    parser.add_argument("--inductor", action="store_true", help="also Inductor with emulate_precision_casts")
     args = parser.parse_args()
     names = args.configs + ["shipped_maxnreg"] * (args.maxnreg is not None)
     for case in args.cases:
         site, tokens = case.split(":")
         tokens = int(tokens)
-        named = configurations(site, tokens)
+        named = configurations(site, tokens, args.hidden)
         for layout in args.index:
-            inputs = make_inputs(site, tokens, HIDDEN, TABLE_ROWS, index_layout=layout)
+            inputs = make_inputs(site, tokens, args.hidden, TABLE_ROWS, index_layout=layout)
             runs = {}
             for policy in args.policies:
                 for name in names:
@@ -60,10 +75,16 @@ def main():
                     config = named["shipped" if capped else name]
                     runs[name, policy] = with_launch_config(kernel_launch(site, inputs, policy, wrap), config)
                     runs[name, policy]()
+            if args.inductor:
+                compiled = torch.compile(eager_site(site), dynamic=False, options={"emulate_precision_casts": True})
+                runs["inductor_epc"] = lambda compiled=compiled, inputs=inputs: compiled(**inputs)
+                runs["inductor_epc"]()
             med = alternating_medians(runs, args.rounds)
+            inductor = ["inductor_epc"] * args.inductor
             for policy in args.policies:
-                print(f"{site} T={tokens:6d} {layout:7s} {policy} shipped={named['shipped']}: "
-                      + relative_times({name: med[name, policy] for name in names}, "shipped"), flush=True)
+                line = {name: med[name, policy] for name in names} | {name: med[name] for name in inductor}
+                print(f"{site} H={args.hidden} T={tokens:6d} {layout:7s} {policy} shipped={named['shipped']}: "
+                      + relative_times(line, "shipped"), flush=True)
 
 
 if __name__ == "__main__":

@@ -51,6 +51,7 @@ MAX_BLOCK_H = 32768
 FEWEST_ROWS = 1024  # up to this many rows site A runs on 8 warps (``launch_config``)
 FEW_ROWS = 6144  # up to this many rows site B runs on 8 warps
 SITE_A_FEW_ROWS = 12288  # up to this many rows site A loads its table rows ahead
+MIN_WARPS = 4  # the fewest warps a program runs on (``launch_config``)
 
 
 @triton.jit
@@ -334,7 +335,8 @@ def launch_config(hidden: int, has_gate: bool, has_norm: bool, rows: int | None)
     """Whole rows in registers, read in chunks of one 16-byte vector per thread (8 bf16), so that only
     the last chunk pads ``H``: one row per program, on 8 warps for site C, for site B up to ``FEW_ROWS``
     rows and for site A up to ``FEWEST_ROWS`` rows, and on 4 warps beyond (more programs resident per
-    SM); rows shorter than the program's lanes share it. The norm's table rows (weight, ``scale[i]``,
+    SM), and never on fewer than ``MIN_WARPS`` = 4 (which only changes H of 4,096 and less); rows shorter
+    than the program's lanes share it. The norm's table rows (weight, ``scale[i]``,
     ``shift[i]``) are loaded ahead (``tables_ahead``: the first chunk's before the reduction, each next
     chunk's before the current chunk's store; more registers, fewer programs per SM) by site B always
     and by site A up to ``SITE_A_FEW_ROWS`` rows, and by site A each just before its use beyond.
@@ -376,6 +378,16 @@ def launch_config(hidden: int, has_gate: bool, has_norm: bool, rows: int | None)
     run 44 the same within 0.5% at 15,808 and 63,232 (run 33, before the warming: +0.5% at 15,808). At
     6,144 within 0.9% either way of 8 warps with the rows ahead, which stays up to ``FEW_ROWS`` (the
     fastest at 3,072 in run 33).
+
+    Below H = 5,376 the rule's warp count falls with H (2,048 columns: 1 warp for sites A and B, 2 for
+    C), and a program of 1 warp fills at most half an SM (at most 32 programs are resident per SM):
+    ``MIN_WARPS`` lifts it to 4. Side by side against the rule without it (``bench_check_cost.py
+    --baseline``, run 61), bf16, T = 15,808, H = 64 / 256 / 1,024 / 2,048 / 3,072 / 4,096: A -40 / -22 /
+    +1.4 / -5.7 / -2.7 / -2.5%, B -43 / -10 / -0.4 / -1.6 / -0.0 / +0.5%, C -10 / -6.1 / -2.0 / -1.7 / +0.1
+    / -0.2%; T = 3,072, H = 1,024 / 2,048 / 3,072 / 4,096: A +3.8 / -6.4 / -2.0 / -6.9%, B +8.1 / +0.7 /
+    +0.0 / -0.3%, C -7.1 / -1.6 / -0.3 / +0.5% (B at H = 1,024, T = 3,072 is slower under both policies,
+    9.9 against 9.1 us). At H = 2,048, T = 15,808 (``probe_configs.py --hidden 2048``, run 60) 4 warps
+    beat 2 and 8 for every site (A: 2 warps -4.5%, 4 warps -5.4%, 8 warps +2.6% against 1).
     """
     padded = triton.next_power_of_2(int(hidden))  # H is a constexpr: specialised, never symbolic
     if padded > MAX_BLOCK_H:
@@ -387,7 +399,7 @@ def launch_config(hidden: int, has_gate: bool, has_norm: bool, rows: int | None)
 
     more_warps = not has_norm or at_most(FEW_ROWS if has_gate else FEWEST_ROWS)
     per_thread = 32 if more_warps else 64
-    num_warps = max(1, min(16, block_t * padded // (32 * per_thread)))
+    num_warps = max(MIN_WARPS, min(16, block_t * padded // (32 * per_thread)))
     chunk = min(padded, max(1, 32 * num_warps * 8 // block_t))
     tables_ahead = has_norm and (has_gate or at_most(SITE_A_FEW_ROWS))
     return LaunchConfig(block_t, chunk, num_warps, tables_ahead)
