@@ -400,7 +400,7 @@ def launch_config(hidden: int, has_gate: bool, has_norm: bool, rows: int | None)
     more_warps = not has_norm or at_most(FEW_ROWS if has_gate else FEWEST_ROWS)
     per_thread = 32 if more_warps else 64
     num_warps = max(MIN_WARPS, min(16, block_t * padded // (32 * per_thread)))
-    chunk = min(padded, 32 * num_warps * 8 // block_t)
+    chunk = min(padded, max(1, 32 * num_warps * 8 // block_t))  # the quotient is 0 at H = 1
     tables_ahead = has_norm and (has_gate or at_most(SITE_A_FEW_ROWS))
     return LaunchConfig(block_t, chunk, num_warps, tables_ahead)
 

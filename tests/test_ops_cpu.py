@@ -415,17 +415,18 @@ def test_launch_config_gives_the_normed_sites_more_warps_only_for_few_known_rows
     assert {(c.block_t, c.chunk, c.num_warps) for c in site_c} == {wide}
 
 
-@pytest.mark.parametrize("hidden", [64, 100, 256, 1000, 2048, 3072, 4096, 5376, 16384])
+@pytest.mark.parametrize("hidden", [1, 2, 31, 64, 100, 256, 1000, 2048, 3072, 4096, 5376, 16384])
 def test_launch_config_never_runs_on_fewer_than_min_warps(hidden):
     """At every H, site and row count a program has at least ``MIN_WARPS`` warps, each thread holding
-    8 elements of every chunk; from H = 2,048 up one row per program."""
+    8 elements of every chunk (16 at H = 1, whose 2,048 rows per program are one column each); from H =
+    2,048 up one row per program."""
     from h3_fused.kernels.triton_modulation import FEW_ROWS, FEWEST_ROWS, MIN_WARPS, launch_config
 
     for gated, normed in ((False, True), (True, True), (True, False)):
         for rows in (1, FEWEST_ROWS, FEW_ROWS + 1, None):
             c = launch_config(hidden, gated, normed, rows)
             assert c.num_warps >= MIN_WARPS == 4
-            assert c.block_t * c.chunk == 32 * c.num_warps * 8
+            assert c.block_t * c.chunk == 32 * c.num_warps * (16 if hidden == 1 else 8)
             assert c.chunk <= 1 << (hidden - 1).bit_length()  # the row padded to a power of two
             assert (c.block_t == 1) == (hidden >= 2048)
 
