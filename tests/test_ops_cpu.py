@@ -273,7 +273,7 @@ def same_but_for_sum_order(got, ref):
     torch.testing.assert_close(got, ref)
 
 
-for hidden in (64, 101, 200):
+for hidden in (1, 31, 64, 101, 200):
     for tokens in (1, 5, 33):
         for policy in ("bf16", "fp32"):
             for native in (False, True):
@@ -310,6 +310,8 @@ def run_interpreted(script: str) -> str:
 
 
 def test_triton_kernel_logic_under_the_interpreter():
+    """Every site, policy and spelling of the norm at H = 1 and 31 (below the issue's range: 2,048 and 64
+    rows per program), 64, 101 and 200, against the reference; an out-of-range index raises."""
     assert "interpreted kernel OK" in run_interpreted(INTERPRETED)
 
 
