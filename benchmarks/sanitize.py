@@ -36,7 +36,7 @@ def warming_next_row(choose):
 
 for choose in [c for base in (shipped, picked_for(FEW_ROWS), picked_for(None)) for c in (base, warming_next_row(base))]:
     with launch_config_answering(choose):
-        for hidden in (64, 101, 200, 5376):
+        for hidden in (1, 31, 64, 101, 200, 5376):
             for tokens in (1, 3, 257):
                 for site in ("A", "B", "C"):
                     for policy in ("bf16", "fp32"):

@@ -39,7 +39,7 @@ def _assert_bf16_policy_matches_eager(site, got, ref):
         assert _diff(got, ref) <= 1e-5
 
 
-@pytest.mark.parametrize("hidden", [64, 101, 200, 4097, 5376, 16384])
+@pytest.mark.parametrize("hidden", [1, 64, 101, 200, 4097, 5376, 16384])
 def test_bf16_policy_non_power_of_two_hidden(hidden):
     inputs = make_inputs("B", 257, hidden)
     ref_u, ref_y = eager_site("B")(**inputs)
