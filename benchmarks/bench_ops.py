@@ -144,9 +144,10 @@ def run(args) -> list[dict]:
 def sweep_configs(hidden: int):
     """The launch configurations the sweep times, one row per program: 1 to 8 warps reading the row in
     chunks of one 16-byte vector per thread (on 4 and 8 warps also with the table rows loaded ahead),
-    and 4 and 8 warps reading it as one padded block (where that is not already one of the chunks). Two rows per program and 16 warps lost everywhere
-    in run 2; storing every chunk's ``y`` after the last table load never beat the shipped configuration
-    in run 13; persistent programs with a software-pipelined row loop lost everywhere in run 26."""
+    and 4 and 8 warps reading it as one padded block (where that is not already one of the chunks). Two
+    rows per program and 16 warps lost everywhere in run 2; storing every chunk's ``y`` after the last
+    table load never beat the shipped configuration in run 13; persistent programs with a
+    software-pipelined row loop lost everywhere in run 26."""
     from h3_fused.kernels.triton_modulation import LaunchConfig
 
     padded = triton.next_power_of_2(hidden)

@@ -4,7 +4,8 @@ layout, median of ``--rounds`` alternating rounds of device time after an L2 flu
 
 - ``shipped``: what ``launch_config`` picks for the site at ``T`` rows;
 - ``w2_ahead`` / ``w4_ahead`` / ``w8_ahead``: one row per program on 2 / 4 / 8 warps, chunks of one
-  16-byte vector per thread, the table rows loaded ahead (``tables_ahead``), the shipped warming of coming table rows;
+  16-byte vector per thread, the table rows loaded ahead (``tables_ahead``), the shipped warming of
+  coming table rows;
 - ``w2`` / ``w4`` / ``w8``: the same with the table rows loaded just before their use;
 - ``shipped_maxnreg``: the shipped configuration with ptxas capping the registers per thread at
   ``--maxnreg`` (more programs per SM where the build needs more), added when that option is given;
