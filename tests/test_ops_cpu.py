@@ -417,20 +417,20 @@ def test_launch_config_gives_the_normed_sites_more_warps_only_for_few_known_rows
     assert {(c.block_t, c.chunk, c.num_warps) for c in site_c} == {wide}
 
 
-@pytest.mark.parametrize("hidden", [1, 2, 31, 64, 100, 256, 1000, 2048, 3072, 4096, 5376, 16384])
-def test_launch_config_never_runs_on_fewer_than_min_warps(hidden):
-    """At every H, site and row count a program has at least ``MIN_WARPS`` warps, each thread holding
-    8 elements of every chunk (16 at H = 1, whose 2,048 rows per program are one column each); from H =
-    2,048 up one row per program."""
-    from h3_fused.kernels.triton_modulation import FEW_ROWS, FEWEST_ROWS, MIN_WARPS, launch_config
+@settings(max_examples=300, deadline=None)
+@given(hidden=st.integers(1, 16384), site=st.sampled_from([(False, True), (True, True), (True, False)]),
+       rows=st.none() | st.integers(1, 100_000))
+def test_launch_config_never_runs_on_fewer_than_min_warps(hidden, site, rows):
+    """At every H, site and row count a program has ``MIN_WARPS`` to 16 warps, each thread holding 8
+    elements of every chunk (16 at H = 1, whose 2,048 rows per program are one column each), in chunks no
+    wider than the row padded to a power of two; one row per program where that padding is 2,048 or more."""
+    from h3_fused.kernels.triton_modulation import MIN_WARPS, launch_config
 
-    for gated, normed in ((False, True), (True, True), (True, False)):
-        for rows in (1, FEWEST_ROWS, FEW_ROWS + 1, None):
-            c = launch_config(hidden, gated, normed, rows)
-            assert c.num_warps >= MIN_WARPS == 4
-            assert c.block_t * c.chunk == 32 * c.num_warps * (16 if hidden == 1 else 8)
-            assert c.chunk <= 1 << (hidden - 1).bit_length()  # the row padded to a power of two
-            assert (c.block_t == 1) == (hidden >= 2048)
+    c = launch_config(hidden, *site, rows)
+    assert MIN_WARPS == 4 <= c.num_warps <= 16
+    assert c.block_t * c.chunk == 32 * c.num_warps * (16 if hidden == 1 else 8)
+    assert c.chunk <= 1 << (hidden - 1).bit_length()
+    assert (c.block_t == 1) == (hidden > 1024)
 
 
 def test_launch_config_loads_table_rows_ahead_for_site_b_and_few_known_rows_of_site_a():
