@@ -54,9 +54,11 @@ def _run(a: ModulationArgs, raw: dict, want_u: bool, want_y: bool):
     # wrap_triton is for tracers; an untraced call launches directly. The interpreter (eager kernel tests on
     # CPU tensors) always does: torch 2.12's wrap_triton refuses its interpreted functions
     direct = interpreting() or untraced(raw.values())
-    # Triton launches on the current device, whatever the tensors' device, and torch.library sets no device
-    # guard for a Python kernel (a compiled graph's code guards its own device)
-    elsewhere = direct and a.device.type == "cuda" and a.device.index != torch.cuda.current_device()
+    # Triton launches on the current device, whatever the tensors' device, and neither torch.library nor
+    # wrap_triton's eager launch sets a device guard for a Python kernel: every eager launch, direct or
+    # through the dispatcher, enters the tensors' device (a compiled graph's code guards its own device; a
+    # tracer entering it changes nothing it records)
+    elsewhere = a.device.type == "cuda" and a.device.index != torch.cuda.current_device()
     with torch.cuda.device(a.device) if elsewhere else contextlib.nullcontext():
         launch_modulation(a, u, y, (lambda kernel: kernel) if direct else wrap_triton)
     return u, y

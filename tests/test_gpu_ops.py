@@ -109,13 +109,15 @@ def test_out_of_range_index_traps_with_a_message(compiled):
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices (device kind nvidia-h200-x2)")
+@pytest.mark.parametrize("dispatcher", [False, True], ids=["direct", "dispatched"])
 @pytest.mark.parametrize("site", ["A", "B", "C"])
-def test_tensors_on_another_device_than_the_current_one(site):
-    """Triton launches on the current device: the op must launch where its tensors are."""
+def test_tensors_on_another_device_than_the_current_one(site, dispatcher):
+    """Triton launches on the current device: the op must launch where its tensors are, whether the public
+    function runs its body directly or the call goes through the dispatcher."""
     inputs = make_inputs(site, 1024, seed=1, device="cuda:1")
     expected = eager_site(site)(**inputs)
     assert torch.cuda.current_device() == 0
-    got = fused_site(site, "bf16")(**inputs)
+    got = fused_site(site, "bf16", dispatcher=dispatcher)(**inputs)
     torch.cuda.synchronize("cuda:1")
     _assert_bf16_policy_matches_eager(site, got, expected)
 
