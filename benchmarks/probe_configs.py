@@ -9,8 +9,8 @@ layout, median of ``--rounds`` alternating rounds of device time after an L2 flu
 - ``w2`` / ``w4`` / ``w8``: the same with the table rows loaded just before their use;
 - ``shipped_maxnreg``: the shipped configuration with ptxas capping the registers per thread at
   ``--maxnreg`` (more programs per SM where the build needs more), added when that option is given;
-- ``inductor_epc``: the eager site compiled by Inductor with ``emulate_precision_casts`` (bit-exact to
-  eager, as ``bf16`` is), added with ``--inductor``; one compile serves both policies' lines.
+- ``inductor_epc``: ``bench_ops.inductor_epc``, added with ``--inductor``; one compile serves both
+  policies' lines.
 
     python benchmarks/probe_configs.py [--cases A:2048 A:3072 A:4096] [--policies bf16 fp32]
         [--index uniform runs] [--configs shipped w4_ahead w8] [--maxnreg 64] [--hidden 5376]
@@ -23,14 +23,11 @@ import argparse
 import os
 import sys
 
-import torch
-
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_ops import HIDDEN, alternating_medians, relative_times  # noqa: E402
+from bench_ops import HIDDEN, alternating_medians, inductor_epc, relative_times  # noqa: E402
 from sites import (  # noqa: E402
     INDEX_LAYOUTS,
     LaunchOptions,
-    eager_site,
     kernel_launch,
     make_inputs,
     shipped_launch_config,
@@ -77,7 +74,7 @@ def main():
                     runs[name, policy] = with_launch_config(kernel_launch(site, inputs, policy, wrap), config)
                     runs[name, policy]()
             if args.inductor:
-                compiled = torch.compile(eager_site(site), dynamic=False, options={"emulate_precision_casts": True})
+                compiled = inductor_epc(site)
                 runs["inductor_epc"] = lambda compiled=compiled, inputs=inputs: compiled(**inputs)
                 runs["inductor_epc"]()
             med = alternating_medians(runs, args.rounds)
