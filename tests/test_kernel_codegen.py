@@ -6,7 +6,8 @@ would fuse the pair into one ``fma.rn.bf16x2`` (a single rounding where eager ha
 hold the compiled PTX to no bf16 FMA at all (the rounded products are packed bf16 multiplies, kept
 apart from their adds), and under ``fp32`` to a bf16 FMA for the gated residual (rounded once, as stored)
 and fp32 FMAs for the affine, in the builds for many rows and for few (site A on 8 warps, the table rows
-loaded ahead).
+loaded ahead). They also hold the kernel to widening bf16 values on their bits (one instruction per
+element, where a conversion of a packed pair's high half is two).
 """
 
 from __future__ import annotations
@@ -50,3 +51,16 @@ def test_fp32_policy_fuses_its_multiply_adds(site, rows):
         assert not [op for op in fp32_ops if op.startswith(("mul.f", "add.f", "mul.bf16", "add.bf16"))]
     else:
         assert fp32_ops.count("fma.rn.f32") > bf16_ops.count("fma.rn.f32")
+
+
+@ROW_COUNTS
+@pytest.mark.parametrize("policy", ["bf16", "fp32"])
+@pytest.mark.parametrize("site", ["A", "B", "C"])
+def test_bf16_values_widen_through_their_bits(site, policy, rows):
+    """No ``cvt.f32.bf16``: every bf16 value is widened to fp32 on its bits (``_widened``: an AND of the
+    packed pair's register for the high half, a shift for the low one; ptxas makes the conversion of a
+    high half two instructions), or LLVM narrows its arithmetic to packed bf16 and never widens it."""
+    ptx = compile_site(site, policy, HIDDEN, shipped_launch_config(site, HIDDEN, rows)).asm["ptx"]
+    assert "cvt.f32.bf16" not in ptx
+    if site != "C":
+        assert re.search(r"and\.b32\s+%r\d+, %r\d+, -65536;", ptx), "expected the high halves widened by a mask"
