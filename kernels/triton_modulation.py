@@ -71,9 +71,8 @@ def _widened(v):
     A plain conversion of the high bf16 of a packed pair is two instructions (PRMT, then a shift), the bits
     one (an AND, or a shift for the low one): site A's sm_90 build for 3,072 rows runs 680 -> 640
     instructions per thread under ``bf16`` and 824 -> 728 under ``fp32`` (``benchmarks/sass_counts.py
-    --dump``, Triton 3.6), with the same registers. Where LLVM narrows rounded
-    fp32 arithmetic on bf16 values to packed bf16 arithmetic (``R(1 + scale)``), the conversion stays
-    plain: the bits would hide it."""
+    --dump``, Triton 3.6), with the same registers. Where LLVM narrows rounded fp32 arithmetic on bf16
+    values to packed bf16 arithmetic (``R(1 + scale)``), the conversion stays plain: the bits would hide it."""
     if v.dtype == tl.bfloat16:
         return (v.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
     return v.to(tl.float32)
@@ -264,11 +263,10 @@ def _modulated(
     shift = tables[2] if TABLES_AHEAD else _table_chunk(shift_ptr, idx, start, lanes, mask, stride_shift)
     if ROUND_AFFINE:  # a plain conversion: LLVM narrows the rounded affine to packed bf16 arithmetic
         scale, shift = scale.to(tl.float32), shift.to(tl.float32)
+        p = _rounded(1.0 + scale, act, PORTABLE)
     else:
         scale, shift = _widened(scale), _widened(shift)
-    p = 1.0 + scale
-    if ROUND_AFFINE:
-        p = _rounded(p, act, PORTABLE)
+        p = 1.0 + scale
     if FUSE_MULTIPLY_ADD:
         y = tl.fma(n, p, shift)
     elif ROUND_AFFINE:
