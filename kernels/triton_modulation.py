@@ -136,42 +136,37 @@ def _rsqrt(v, PORTABLE: tl.constexpr):
 
 
 @triton.jit
-def _touch_coming_table_rows(idx_ptr, shift_ptr, scale_ptr, gate_ptr, y_ptr, n_rows, num_table_rows, stride_shift,
+def _touch_coming_table_rows(idx_ptr, shift_ptr, scale_ptr, gate_ptr, n_rows, num_table_rows, stride_shift,
                              stride_scale, stride_gate, HIDDEN: tl.constexpr, HAS_GATE: tl.constexpr,
-                             BLOCK_T: tl.constexpr, AHEAD: tl.constexpr, LINES: tl.constexpr):
-    """Warms the SM's L1 (and L2) with the table rows the kernel will read ``AHEAD`` rows on. Every program
-    reads ``k = index[its first row + AHEAD]`` and then one element of every 32-byte sector of ``LINES``
-    consecutive lines, from line ``program_id * LINES mod lines-per-row`` on, of ``shift[k]``, ``scale[k]``
-    and (site B) ``gate[k]``: the programs an SM runs in the ``AHEAD`` rows before a run of the index starts
-    bring most of the run's table rows into its L1, and between them the programs cover whole rows in L2.
-    The loads are plain, which Inductor's analysis of the kernel understands; a store of what they read,
-    masked where ``n_rows < 0`` (never), keeps them (LLVM would remove loads whose results are unused, and
-    ``volatile`` loads are not cached in L1). An index out of range, or past the last row, reads nothing.
-    Changes no result."""
+                             BLOCK_T: tl.constexpr, AHEAD: tl.constexpr, LANES: tl.constexpr):
+    """Warms L2 with the table rows the kernel will read ``AHEAD`` rows on. Every ``GROUP``-th program
+    (``GROUP = LANES // 16``, at least 1) reads ``k = index[its first row + AHEAD]`` and then, one lane
+    each, one element of every 32-byte sector of ``GROUP`` consecutive lines, from line ``program_id mod
+    lines-per-row`` on, of ``shift[k]``, ``scale[k]`` and (site B) ``gate[k]``: between them the
+    programs cover whole rows.
+    Where the index comes in runs, the programs ``AHEAD`` rows before a run's start bring its new table
+    rows from DRAM; elsewhere the sectors are already in L2. The loads are ``volatile`` (their results
+    are unused, and the compiler keeps them) and plain, which Inductor's analysis of the kernel
+    understands, unlike inline assembly such as ``prefetch``. An index out of range, or past the last
+    row, reads nothing. Changes no result."""
+    GROUP: tl.constexpr = LANES // 16 if LANES >= 16 else 1
     per_line: tl.constexpr = 1024 // shift_ptr.dtype.element_ty.primitive_bitwidth
     lines_per_row: tl.constexpr = (HIDDEN + per_line - 1) // per_line
     program = tl.program_id(0).to(tl.int64)  # int64 throughout: no int32 overflow checks under debug=True
-    sector = tl.arange(0, LINES * 4).to(tl.int64)
-    coming_row = program * BLOCK_T + AHEAD + 0 * sector  # every lane reads it: one request per warp
-    k = tl.load(idx_ptr + coming_row, mask=coming_row < n_rows, other=-1)
-    valid = (k >= 0) & (k < num_table_rows)
-    k = tl.where(valid, k, 0)
-    line = (program % lines_per_row) * LINES % lines_per_row + sector // 4
-    line = tl.where(line >= lines_per_row, line - lines_per_row, line)
-    col = line * per_line + (sector % 4) * (per_line // 4)
-    touched = (col < HIDDEN) & valid
-    never = touched & (n_rows + 0 * sector < 0)
-    _touch(shift_ptr + k * stride_shift + col, touched, y_ptr + col, never)
-    _touch(scale_ptr + k * stride_scale + col, touched, y_ptr + col, never)
-    if HAS_GATE:
-        _touch(gate_ptr + k * stride_gate + col, touched, y_ptr + col, never)
-
-
-@triton.jit
-def _touch(pointers, mask, sink, never):
-    """Loads ``pointers`` into L1 (a plain load), and keeps the load with a store to ``sink`` masked by
-    ``never``, which is never true but unknown to the compiler."""
-    tl.store(sink, tl.load(pointers, mask=mask, other=0.0).to(sink.dtype.element_ty), mask=never)
+    if program % GROUP == 0:
+        lane = tl.arange(0, LANES).to(tl.int64)
+        coming_row = program * BLOCK_T + AHEAD + 0 * lane  # every lane reads it: one request per warp
+        k = tl.load(idx_ptr + coming_row, mask=coming_row < n_rows, other=-1)
+        valid = (k >= 0) & (k < num_table_rows)
+        k = tl.where(valid, k, 0)
+        which = lane // (4 * GROUP)
+        line = (program + (lane // 4) % GROUP) % lines_per_row
+        col = line * per_line + (lane % 4) * (per_line // 4)
+        table = tl.where(which == 0, shift_ptr + k * stride_shift, scale_ptr + k * stride_scale)
+        if HAS_GATE:
+            table = tl.where(which == 2, gate_ptr + k * stride_gate, table)
+        tables: tl.constexpr = 3 if HAS_GATE else 2
+        tl.load(table + col, mask=(which < tables) & (col < HIDDEN) & valid, volatile=True)
 
 
 @triton.jit
@@ -289,7 +284,7 @@ def modulation_kernel(
     HIDDEN: tl.constexpr, HAS_GATE: tl.constexpr, HAS_NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr,
     ROUND_GATE: tl.constexpr, ROUND_NORM: tl.constexpr, ROUND_NORM_BEFORE_WEIGHT: tl.constexpr,
     ROUND_AFFINE: tl.constexpr, FUSE_MULTIPLY_ADD: tl.constexpr, PORTABLE: tl.constexpr, BLOCK_T: tl.constexpr,
-    CHUNK: tl.constexpr, TABLES_AHEAD: tl.constexpr, AHEAD: tl.constexpr, WARM_LINES: tl.constexpr,
+    CHUNK: tl.constexpr, TABLES_AHEAD: tl.constexpr, AHEAD: tl.constexpr,
 ):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     row_ok = rows < n_rows
@@ -336,8 +331,8 @@ def modulation_kernel(
                            ROUND_NORM_BEFORE_WEIGHT, ROUND_AFFINE, FUSE_MULTIPLY_ADD, PORTABLE, TABLES_AHEAD)
             tl.store(y_ptr + rows[:, None] * HIDDEN + c * CHUNK + lanes[None, :], y, mask=mask)
     if AHEAD > 0 and HAS_NORM:  # last: no register of the row is live any more
-        _touch_coming_table_rows(idx_ptr, shift_ptr, scale_ptr, gate_ptr, y_ptr, n_rows, num_table_rows, stride_shift,
-                                 stride_scale, stride_gate, HIDDEN, HAS_GATE, BLOCK_T, AHEAD, WARM_LINES)
+        _touch_coming_table_rows(idx_ptr, shift_ptr, scale_ptr, gate_ptr, n_rows, num_table_rows, stride_shift,
+                                 stride_scale, stride_gate, HIDDEN, HAS_GATE, BLOCK_T, AHEAD, BLOCK_T * CHUNK // 8)
 
 
 @dataclass(frozen=True)
@@ -352,7 +347,6 @@ class LaunchConfig:
     num_warps: int
     tables_ahead: bool = False
     prefetch_ahead: int = 1024
-    warm_lines: int = 32
 
 
 def launch_config(hidden: int, has_gate: bool, has_norm: bool, rows: int | None) -> LaunchConfig:
@@ -438,7 +432,7 @@ def specialisation(hidden: int, has_gate: bool, has_norm: bool, has_weight: bool
         ROUND_NORM_BEFORE_WEIGHT=rounding.norm_before_weight, ROUND_AFFINE=rounding.affine,
         FUSE_MULTIPLY_ADD=rounding.fused_multiply_add, PORTABLE=portable, BLOCK_T=config.block_t, CHUNK=config.chunk,
         TABLES_AHEAD=config.tables_ahead and has_norm,  # no tables without a norm: one build of site C
-        AHEAD=config.prefetch_ahead, WARM_LINES=config.warm_lines,
+        AHEAD=config.prefetch_ahead,
     )
 
 
