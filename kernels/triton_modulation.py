@@ -376,7 +376,8 @@ def launch_config(hidden: int, has_gate: bool, has_norm: bool, rows: int | None)
     the table rows loaded before the norm's reduction (runs 6 and 22), the table rows prefetched to L2 or
     touched first (runs 19, 20), registers capped below the build's (run 21), evict-first/evict-last
     cache hints, persistent programs whose row loop Triton pipelines through shared memory (run 26), and
-    the table rows prefetched line by line into L1 (run 27).
+    the table rows prefetched line by line into L1 (run 27), and every program warming its SM's L1 with
+    the coming table rows (run 69).
 
     The coming table rows are warmed 1,024 rows ahead (``prefetch_ahead``), against not at all, side by
     side (``probe_index_layout.py``, run 38), bf16, with the model's index (``runs``) at T = 3,072 /
