@@ -50,7 +50,7 @@ from .contract import ModulationArgs, Rounding
 MAX_BLOCK_H = 32768
 FEWEST_ROWS = 1024  # up to this many rows site A runs on 8 warps (``launch_config``)
 FEW_ROWS = 6144  # up to this many rows site B runs on 8 warps
-SITE_A_FEW_ROWS = 12288  # up to this many rows site A loads its table rows ahead
+SITE_A_FEW_ROWS = 16384  # up to this many rows site A loads its table rows ahead
 MIN_WARPS = 4  # the fewest warps a program runs on (``launch_config``)
 
 
@@ -390,7 +390,13 @@ def launch_config(hidden: int, has_gate: bool, has_norm: bool, rows: int | None)
     6,144: bf16 -3.8 / -2.7 / -1.9 / -0.6% (uniform index), -6.0 / -5.5 / -4.3 / -1.8% (runs); fp32
     -0.6 / -2.7 / -1.7 / -2.5% (uniform), -3.3 / -2.0 / -6.3 / -0.5% (runs). Beyond, side by side (run
     44), at T = 9,216 / 12,288 / 15,808: bf16 -1.6 / -0.2 / +0.8% (uniform), -6.7 / -3.1 / -2.2% (runs);
-    fp32 -0.2 / -0.6 / +1.2% (uniform), -1.9 / -2.0 / -0.8% (runs). Site B beyond ``FEW_ROWS`` on 4
+    fp32 -0.2 / -0.6 / +1.2% (uniform), -1.9 / -2.0 / -0.8% (runs); at 15,808 again in runs 45, 55 and 68
+    (uniform +0.9 / +0.8 / +1.1% bf16, +1.0 / +1.0 / +0.6% fp32; runs -1.9 / -1.1 / -2.0% bf16, -0.5 /
+    -0.4 / -0.7% fp32), and at 20,000 (run 55) uniform +1.7 / +1.1%, runs -0.6 / -0.0%. The bound
+    ``SITE_A_FEW_ROWS`` = 16,384 sits between 15,808 and 20,000: up to it, under ``bf16`` (what ``auto``
+    picks on Hopper), the model's layout (runs) gains more than the uniform index loses, beyond it less
+    (``fp32`` at 15,808: within 0.6% net either way). 15,808 rows is one rank's share of 63,232 tokens
+    under 4-way sequence parallelism. Site B beyond ``FEW_ROWS`` on 4
     warps with its table rows ahead against 8 warps with them just before their use, side by side (run
     45), at T = 9,216 / 15,808 / 31,616 / 63,232: bf16 -1.1 / -1.2 / -0.7 / -0.7% (uniform), -0.7 / -1.7
     / -0.4 / -0.5% (runs); fp32 -0.1 / -0.2 / +0.9 / -0.8% (uniform), +0.9 / -0.4 / +0.1 / +0.1% (runs);

@@ -24,7 +24,7 @@ def _diff(got, ref):
 def test_bf16_policy_matches_eager_at_real_size(site, tokens):
     """Every build at H = 5376: site B on 8 warps up to 6,144 rows (1, 1,024, 3,072) and on 4 beyond, its
     table rows always loaded ahead; site A on 8 warps up to 1,024 rows and on 4 from 3,072 on, its table
-    rows loaded ahead up to 12,288 rows."""
+    rows loaded ahead up to 16,384 rows (``SITE_A_FEW_ROWS``: 3,072 and 15,808)."""
     inputs = make_inputs(site, tokens, seed=tokens)
     _assert_bf16_policy_matches_eager(site, fused_site(site, "bf16")(**inputs), eager_site(site)(**inputs))
 
