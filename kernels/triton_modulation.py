@@ -305,7 +305,7 @@ def modulation_kernel(
             squares += wide * wide
         kept = kept + (u,)
     tables = (0.0, 0.0, 0.0)
-    if HAS_NORM and TABLES_AHEAD:  # the first chunk's table rows arrive while the row is reduced
+    if HAS_NORM and TABLES_AHEAD and HAS_GATE:  # the first chunk's table rows arrive while the row is reduced
         tables = _tables_chunk(w_ptr, shift_ptr, scale_ptr, idx, 0, row_ok, stride_shift, stride_scale, HIDDEN,
                                CHUNK, HAS_WEIGHT)
     if HAS_GATE:  # after every chunk's loads: a store may alias them, so no load could move above it
@@ -315,6 +315,10 @@ def modulation_kernel(
     # after the activation loads: a load may not move above the assertion's call, which would otherwise
     # hold the row's loads until the index arrives (measured: 5-6% of site A at T >= 15,808)
     tl.device_assert(~bad, "h3_fused: index out of range [0, K)")
+    if HAS_NORM and TABLES_AHEAD and not HAS_GATE:  # site A: after the assertion, so that ptxas does not
+        # compute their addresses, which wait for the index, before issuing the activation loads
+        tables = _tables_chunk(w_ptr, shift_ptr, scale_ptr, idx, 0, row_ok, stride_shift, stride_scale, HIDDEN,
+                               CHUNK, HAS_WEIGHT)
     if HAS_NORM:
         # fp32 constants and scalars (Inductor may pass eps as a constexpr float, which computes in fp64)
         mean_square = tl.sum(squares, axis=1) * tl.cast(1.0 / HIDDEN, tl.float32)
