@@ -400,8 +400,9 @@ def launch_config(hidden: int, has_gate: bool, has_norm: bool, rows: int | None)
     ``SITE_A_FEW_ROWS`` = 16,384 sits between 15,808 and 20,000: up to it, under ``bf16`` (what ``auto``
     picks on Hopper), the model's layout (runs) gains more than the uniform index loses, beyond it less
     (``fp32`` at 15,808: within 0.6% net either way). 15,808 rows is one rank's share of 63,232 tokens
-    under 4-way sequence parallelism. The index check costs that build more there than the other (run 73:
-    +2.1% uniform, +1.3% runs, against -0.3 to -0.6% in runs 64-65). Site B beyond ``FEW_ROWS`` on 4
+    under 4-way sequence parallelism. The index check cost that build +2.1% (uniform) / +1.3% (runs)
+    there (run 73) until its first chunk's table loads moved after the assertion (run 74: +0.4 / +0.6%,
+    and the build 1.9 / 0.9% faster). Site B beyond ``FEW_ROWS`` on 4
     warps with its table rows ahead against 8 warps with them just before their use, side by side (run
     45), at T = 9,216 / 15,808 / 31,616 / 63,232: bf16 -1.1 / -1.2 / -0.7 / -0.7% (uniform), -0.7 / -1.7
     / -0.4 / -0.5% (runs); fp32 -0.1 / -0.2 / +0.9 / -0.8% (uniform), +0.9 / -0.4 / +0.1 / +0.1% (runs);
