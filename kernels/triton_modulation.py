@@ -305,7 +305,7 @@ def modulation_kernel(
             squares += wide * wide
         kept = kept + (u,)
     tables = (0.0, 0.0, 0.0)
-    if HAS_NORM and TABLES_AHEAD and HAS_GATE:  # the first chunk's table rows arrive while the row is reduced
+    if HAS_NORM and TABLES_AHEAD and HAS_GATE:  # site B: arriving while the row is reduced (after the check: slower)
         tables = _tables_chunk(w_ptr, shift_ptr, scale_ptr, idx, 0, row_ok, stride_shift, stride_scale, HIDDEN,
                                CHUNK, HAS_WEIGHT)
     if HAS_GATE:  # after every chunk's loads: a store may alias them, so no load could move above it
