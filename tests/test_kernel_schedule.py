@@ -1,0 +1,61 @@
+"""The kernel's sm_90 schedule, compiled without a GPU: site A's activation loads do not wait for the index.
+
+SASS issues in order, and an instruction that reads a load's result waits for it. If ptxas places any
+instruction that reads the index (the bounds check, a table row's address) before the loads of the
+row's activations (``x``, or ``res`` and ``branch``), those loads wait one round trip of the index load
+in every program: measured on site A, 1.5-2% at T = 3,072 to 15,808 and most of what the index check
+cost (docs/BENCHMARKS.md, runs 73-74). These tests hold site A's builds as the ops launch them (many
+rows, one row, 3,072 rows; each policy) to issuing all of the row's activation loads (the ``.cg`` loads,
+``LDG...STRONG.GPU`` in SASS) before the first instruction that reads an index load's result (the int64
+index: ``LDG.E.64``). Sites B and C do not hold to it yet: in their builds the gate row's address
+arithmetic comes first, and their activation loads wait for the index (what that costs them is not
+yet measured).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+from sass_counts import compile_site, instructions  # noqa: E402
+from sites import shipped_launch_config  # noqa: E402
+
+HIDDEN = 5376
+PREDICATE = re.compile(r"^@!?U?P\w+\s+")
+REGISTER = re.compile(r"(?<![A-Z])R(\d+)")
+
+
+def activation_loads_before_index_wait(sass: list[str]) -> tuple[int, int, str | None]:
+    """(activation loads issued before the first instruction that reads an index load's result, all
+    activation loads, that instruction)."""
+    index_registers: set[int] = set()
+    before, waiting = 0, None
+    total = sum(1 for ins in sass if re.match(r"LDG\S*STRONG\.GPU", PREDICATE.sub("", ins)))
+    for ins in sass:
+        opcode, _, operands = PREDICATE.sub("", ins).rstrip(" ;").partition(" ")
+        operands = [o.strip() for o in operands.split(",")] if operands else []
+        if re.match(r"LDG\S*STRONG\.GPU", opcode):
+            before += waiting is None
+            continue
+        if waiting is not None:
+            continue
+        sources = operands if opcode.startswith(("ST", "BRA", "CALL")) else operands[1:]
+        if any(int(r) in index_registers for s in sources for r in REGISTER.findall(s)):
+            waiting = ins
+        elif opcode.startswith("LDG.E.64"):
+            first = int(REGISTER.match(operands[0]).group(1))
+            index_registers |= {first, first + 1}
+    return before, total, waiting
+
+
+@pytest.mark.parametrize("rows", [None, 1, 3072], ids=["many_rows", "one_row", "rows_3072"])
+@pytest.mark.parametrize("policy", ["bf16", "fp32"])
+def test_no_activation_load_of_site_a_waits_for_the_index(policy, rows):
+    kernel = compile_site("A", policy, HIDDEN, shipped_launch_config("A", HIDDEN, rows))
+    before, total, waiting = activation_loads_before_index_wait(instructions(kernel.asm["cubin"]))
+    assert total > 0, "no activation load found"
+    assert before == total, f"{total - before} of {total} activation loads wait for the index ({waiting!r} first)"
