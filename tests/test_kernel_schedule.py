@@ -6,8 +6,8 @@ row's activations (``x``, or ``res`` and ``branch``), those loads wait one round
 in every program: measured on site A, 1.5-2% at T = 3,072 to 15,808 and most of what the index check
 cost (docs/BENCHMARKS.md, runs 73-74). These tests hold site A's builds as the ops launch them (many
 rows, one row, 3,072 rows; each policy) to issuing all of the row's activation loads (the ``.cg`` loads,
-``LDG...STRONG.GPU`` in SASS) before the first instruction that reads an index load's result (the int64
-index: ``LDG.E.64``). Sites B and C do not hold to it yet: in their builds the gate row's address
+``LDG...STRONG.GPU`` in SASS) before the first instruction that reads an index load's result (``LDG.E.64``
+for an int64 index, ``LDG.E`` for int32). Sites B and C do not hold to it yet: in their builds the gate row's address
 arithmetic comes first, and their activation loads wait for the index (what that costs them is not
 yet measured).
 """
@@ -29,9 +29,9 @@ PREDICATE = re.compile(r"^@!?U?P\w+\s+")
 REGISTER = re.compile(r"(?<![A-Z])R(\d+)")
 
 
-def activation_loads_before_index_wait(sass: list[str]) -> tuple[int, int, str | None]:
-    """(activation loads issued before the first instruction that reads an index load's result, all
-    activation loads, that instruction)."""
+def activation_loads_before_index_wait(sass: list[str], index_load: str) -> tuple[int, int, str | None]:
+    """(activation loads issued before the first instruction that reads the result of an ``index_load``
+    (the opcode loading the index), all activation loads, that instruction)."""
     index_registers: set[int] = set()
     before, waiting = 0, None
     total = sum(1 for ins in sass if re.match(r"LDG\S*STRONG\.GPU", PREDICATE.sub("", ins)))
@@ -46,16 +46,17 @@ def activation_loads_before_index_wait(sass: list[str]) -> tuple[int, int, str |
         sources = operands if opcode.startswith(("ST", "BRA", "CALL")) else operands[1:]
         if any(int(r) in index_registers for s in sources for r in REGISTER.findall(s)):
             waiting = ins
-        elif opcode.startswith("LDG.E.64"):
+        elif opcode == index_load:
             first = int(REGISTER.match(operands[0]).group(1))
-            index_registers |= {first, first + 1}
+            index_registers |= {first, first + 1} if index_load.endswith(".64") else {first}
     return before, total, waiting
 
 
+@pytest.mark.parametrize("index, index_load", [("i64", "LDG.E.64"), ("i32", "LDG.E")], ids=["int64", "int32"])
 @pytest.mark.parametrize("rows", [None, 1, 3072], ids=["many_rows", "one_row", "rows_3072"])
 @pytest.mark.parametrize("policy", ["bf16", "fp32"])
-def test_no_activation_load_of_site_a_waits_for_the_index(policy, rows):
-    kernel = compile_site("A", policy, HIDDEN, shipped_launch_config("A", HIDDEN, rows))
-    before, total, waiting = activation_loads_before_index_wait(instructions(kernel.asm["cubin"]))
+def test_no_activation_load_of_site_a_waits_for_the_index(policy, rows, index, index_load):
+    kernel = compile_site("A", policy, HIDDEN, shipped_launch_config("A", HIDDEN, rows), index=index)
+    before, total, waiting = activation_loads_before_index_wait(instructions(kernel.asm["cubin"]), index_load)
     assert total > 0, "no activation load found"
     assert before == total, f"{total - before} of {total} activation loads wait for the index ({waiting!r} first)"
