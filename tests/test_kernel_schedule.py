@@ -7,9 +7,9 @@ in every program: measured on site A, 1.5-2% at T = 3,072 to 15,808 and most of 
 cost (docs/BENCHMARKS.md, runs 73-74). These tests hold site A's builds as the ops launch them (many
 rows, one row, 3,072 rows; each policy) to issuing all of the row's activation loads (the ``.cg`` loads,
 ``LDG...STRONG.GPU`` in SASS) before the first instruction that reads an index load's result (``LDG.E.64``
-for an int64 index, ``LDG.E`` for int32). Sites B and C do not hold to it yet: in their builds the gate row's address
-arithmetic comes first, and their activation loads wait for the index (what that costs them is not
-yet measured).
+for an int64 index, ``LDG.E`` for int32). Sites B and C do not hold to it yet: in their builds the gate
+row's address arithmetic comes first, and their activation loads wait for the index (what that costs
+them is not yet measured).
 """
 
 from __future__ import annotations
@@ -27,18 +27,19 @@ from sites import shipped_launch_config  # noqa: E402
 HIDDEN = 5376
 PREDICATE = re.compile(r"^@!?U?P\w+\s+")
 REGISTER = re.compile(r"(?<![A-Z])R(\d+)")
+ACTIVATION_LOAD = re.compile(r"LDG\S*STRONG\.GPU")
 
 
 def activation_loads_before_index_wait(sass: list[str], index_load: str) -> tuple[int, int, str | None]:
     """(activation loads issued before the first instruction that reads the result of an ``index_load``
     (the opcode loading the index), all activation loads, that instruction)."""
     index_registers: set[int] = set()
-    before, waiting = 0, None
-    total = sum(1 for ins in sass if re.match(r"LDG\S*STRONG\.GPU", PREDICATE.sub("", ins)))
+    before, total, waiting = 0, 0, None
     for ins in sass:
         opcode, _, operands = PREDICATE.sub("", ins).rstrip(" ;").partition(" ")
         operands = [o.strip() for o in operands.split(",")] if operands else []
-        if re.match(r"LDG\S*STRONG\.GPU", opcode):
+        if ACTIVATION_LOAD.match(opcode):
+            total += 1
             before += waiting is None
             continue
         if waiting is not None:
