@@ -1,5 +1,5 @@
-"""What the policy and the index check cost: the kernel under ``bf16``, under ``fp32``, and under
-``bf16`` compiled without its device-side index assertion, timed in alternation.
+"""What the policy and the index check cost: the kernel under ``bf16`` and under ``fp32``, each also
+compiled without its device-side index assertion, timed in alternation.
 
     python benchmarks/bench_check_cost.py --out benchmarks/results/check_cost.json [--baseline FILE]
         [--sites A B C] [--tokens 3072 15808 63232] [--hidden 5376]
@@ -32,8 +32,10 @@ from sites import INDEX_LAYOUTS, SITES, LaunchOptions, kernel_launch, load_kerne
 
 
 def launchers(site, inputs, baseline=None):
-    runs = {"bf16": kernel_launch(site, inputs, "bf16"), "fp32": kernel_launch(site, inputs, "fp32"),
-            "bf16_no_index_check": kernel_launch(site, inputs, "bf16", LaunchOptions(debug=False))}
+    runs = {}
+    for policy in ("bf16", "fp32"):
+        runs[policy] = kernel_launch(site, inputs, policy)
+        runs[f"{policy}_no_index_check"] = kernel_launch(site, inputs, policy, LaunchOptions(debug=False))
     if baseline is not None:
         runs |= {f"baseline_{policy}": kernel_launch(site, inputs, policy, kernel_module=baseline)
                  for policy in ("bf16", "fp32")}
@@ -53,19 +55,22 @@ def main():
     baseline = load_kernel_module(args.baseline) if args.baseline else None
     rows = []
     extra = " baseline bf16 us (this vs it) | baseline fp32 us (this vs it) |" if baseline else ""
-    print("| site | H | T | bf16 us | fp32 us (vs bf16) | bf16 without index check us (check costs) |" + extra
-          + "\n|---|---|---|---|---|---|" + "---|---|" * bool(baseline))
+    print("| site | H | T | bf16 us | fp32 us (vs bf16) | bf16 without index check us (check costs) |"
+          " fp32 without index check us (check costs; vs bf16 without) |" + extra
+          + "\n|---|---|---|---|---|---|---|" + "---|---|" * bool(baseline))
     for hidden, site, tokens in itertools.product(args.hidden, args.sites, args.tokens):
         runs = launchers(site, make_inputs(site, tokens, hidden, index_layout=args.index), baseline)
         asserts = {name: "__assertfail" in run().asm["ptx"] for name, run in runs.items()}
-        if asserts != {name: name != "bf16_no_index_check" for name in runs}:
+        if asserts != {name: not name.endswith("_no_index_check") for name in runs}:
             raise RuntimeError(f"unexpected assertions in the compiled kernels: {asserts}")
         times = alternating_rounds(runs, args.rounds)
         us = {name: statistics.median(t) for name, t in times.items()}
         rows.append(dict(site=site, H=hidden, T=tokens, index=args.index, us=us, rounds=times, gpu=torch.cuda.get_device_name(),
                          torch=torch.__version__, triton=triton.__version__))
         line = (f"| {site} | {hidden:,} | {tokens:,} | {us['bf16']:.1f} | {us['fp32']:.1f} ({us['fp32'] / us['bf16'] - 1:+.1%}) | "
-                f"{us['bf16_no_index_check']:.1f} ({us['bf16'] / us['bf16_no_index_check'] - 1:+.1%}) |")
+                f"{us['bf16_no_index_check']:.1f} ({us['bf16'] / us['bf16_no_index_check'] - 1:+.1%}) | "
+                f"{us['fp32_no_index_check']:.1f} ({us['fp32'] / us['fp32_no_index_check'] - 1:+.1%}; "
+                f"{us['fp32_no_index_check'] / us['bf16_no_index_check'] - 1:+.1%}) |")
         if baseline:
             line += "".join(f" {us[f'baseline_{p}']:.1f} ({us[p] / us[f'baseline_{p}'] - 1:+.1%}) |"
                             for p in ("bf16", "fp32"))
