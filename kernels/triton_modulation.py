@@ -354,71 +354,31 @@ class LaunchConfig:
 
 
 def launch_config(hidden: int, has_gate: bool, has_norm: bool, rows: int | None) -> LaunchConfig:
-    """Whole rows in registers, read in chunks of one 16-byte vector per thread (8 bf16), so that only
-    the last chunk pads ``H``: one row per program, on 8 warps for site C, for site B up to ``FEW_ROWS``
-    rows and for site A up to ``FEWEST_ROWS`` rows, and on 4 warps beyond (more programs resident per
-    SM), and never on fewer than ``MIN_WARPS`` = 4 (which only changes H of 4,096 and less); rows shorter
-    than the program's lanes share it. The norm's table rows (weight, ``scale[i]``,
-    ``shift[i]``) are loaded ahead (``tables_ahead``: the first chunk's before the reduction, each next
-    chunk's before the current chunk's store; more registers, fewer programs per SM) by site B always
-    and by site A up to ``SITE_A_FEW_ROWS`` rows, and by site A each just before its use beyond.
-    ``rows`` is the row count, or None where it is symbolic (a graph compiled for dynamic shapes: the
-    many-rows choice, without a guard on the count).
+    """Whole rows in registers, read in chunks of one 16-byte vector per thread (8 bf16), so that only the
+    last chunk pads ``H``; one row per program (rows shorter than the program's lanes share it).
 
-    Every chunk's loads come before the first store of ``u`` (a store may alias a later load, which the
-    compiler would then not move above it), and ``y`` is stored chunk by chunk. Measured on the H200 at
-    H = 5,376, T = 3,072 / 15,808 / 63,232 (``bench_ops.py --sweep``; docs/BENCHMARKS.md, run 13), bf16,
-    share of copy bandwidth: A on 4 warps 70.1 / 93.2 / 96.1% (8 warps 72.8 / 90.7 / 93.6%); B on 8
-    warps 84.5 / 95.1 / 97.4% (4 warps 80.9 / 94.0 / 96.7%); C on 8 warps 85.6 / 99.2 / 101.9%. Site A
-    on 8 against 4 warps at T = 1,024 / 3,072 / 6,144 / 9,216 / 15,808 (``probe_small_tokens.py``, run
-    21): 10.1 / 20.9 / 37.6 / 53.2 / 88.4 us against 11.6 / 21.6 / 37.9 / 52.4 / 87.0 us. Table rows
-    ahead against after, side by side (``probe_table_order.py``, run 30), bf16: B -6.4 / -2.3 / -1.3 /
-    -0.9 / -0.3% at T = 1,024 / 3,072 / 6,144 / 9,216 / 15,808 (+0.8% at 15,808 and +0.2% at 63,232 in
-    run 29); A -8.9% at 1,024 but +3.7 / +6.1% at 2,048 / 3,072. Also measured
-    and slower: 1 and 2 warps, the row as one padded block, every ``y`` store after every table load, two
-    rows per program, 16 warps, programs that loop over rows loading the next row's activations first,
-    the table rows loaded before the norm's reduction (runs 6 and 22), the table rows prefetched to L2 or
-    touched first (runs 19, 20), registers capped below the build's (run 21), evict-first/evict-last
-    cache hints, persistent programs whose row loop Triton pipelines through shared memory (run 26), and
-    the table rows prefetched line by line into L1 (run 27), and every program warming its SM's L1 with
-    the coming table rows (run 69).
+    - Warps: 8 for site C, for site B up to ``FEW_ROWS`` rows and for site A up to ``FEWEST_ROWS`` rows;
+      4 beyond (more programs resident per SM); never fewer than ``MIN_WARPS`` = 4, which only changes
+      H of 4,096 and less.
+    - ``tables_ahead``: the norm's table rows (weight, ``scale[i]``, ``shift[i]``) loaded ahead of their
+      use (the first chunk's before the reduction, each next chunk's before the current chunk's store;
+      more registers, fewer programs per SM) by site B always and by site A up to ``SITE_A_FEW_ROWS``
+      rows; by site A beyond, each just before its use.
+    - ``prefetch_ahead``: the table rows of the row 1,024 rows on warmed in L2 (``_touch_coming_table_rows``).
 
-    The coming table rows are warmed 1,024 rows ahead (``prefetch_ahead``), against not at all, side by
-    side (``probe_index_layout.py``, run 38), bf16, with the model's index (``runs``) at T = 3,072 /
-    15,808 / 63,232: site A 22.1 / 87.5 / 326.9 us against 22.6 / 94.0 / 331.7 us, site B 35.9 / 166.2
-    us against 36.4 / 168.4 us at 3,072 / 15,808; with the uniform index within 0.4% either way (site B
-    at 3,072: -0.8%). 2,048 rows ahead: A 87.0 us at 15,808 but 23.7 us at 3,072; 256 and 512 rows:
-    88.7 and 87.7 us at 15,808. With that warming, site A between ``FEWEST_ROWS`` and ``FEW_ROWS``
-    rows is faster on 4 warps with its table rows ahead than on 8 warps with them just before their use
-    (the earlier choice), side by side (``probe_configs.py``, run 41), at T = 2,048 / 3,072 / 4,096 /
-    6,144: bf16 -3.8 / -2.7 / -1.9 / -0.6% (uniform index), -6.0 / -5.5 / -4.3 / -1.8% (runs); fp32
-    -0.6 / -2.7 / -1.7 / -2.5% (uniform), -3.3 / -2.0 / -6.3 / -0.5% (runs). Beyond, side by side (run
-    44), at T = 9,216 / 12,288 / 15,808: bf16 -1.6 / -0.2 / +0.8% (uniform), -6.7 / -3.1 / -2.2% (runs);
-    fp32 -0.2 / -0.6 / +1.2% (uniform), -1.9 / -2.0 / -0.8% (runs); at 15,808 again in runs 45, 55 and 68
-    (uniform +0.9 / +0.8 / +1.1% bf16, +1.0 / +1.0 / +0.6% fp32; runs -1.9 / -1.1 / -2.0% bf16, -0.5 /
-    -0.4 / -0.7% fp32), and at 20,000 (run 55) uniform +1.7 / +1.1%, runs -0.6 / -0.0%. The bound
-    ``SITE_A_FEW_ROWS`` = 16,384 sits between 15,808 and 20,000: up to it, under ``bf16`` (what ``auto``
-    picks on Hopper), the model's layout (runs) gains more than the uniform index loses, beyond it less
-    (``fp32`` at 15,808: within 0.6% net either way). 15,808 rows is one rank's share of 63,232 tokens
-    under 4-way sequence parallelism. The index check cost that build +2.1% (uniform) / +1.3% (runs)
-    there (run 73) until its first chunk's table loads moved after the assertion (run 74: +0.4 / +0.6%,
-    and the build 1.9 / 0.9% faster). Site B beyond ``FEW_ROWS`` on 4
-    warps with its table rows ahead against 8 warps with them just before their use, side by side (run
-    45), at T = 9,216 / 15,808 / 31,616 / 63,232: bf16 -1.1 / -1.2 / -0.7 / -0.7% (uniform), -0.7 / -1.7
-    / -0.4 / -0.5% (runs); fp32 -0.1 / -0.2 / +0.9 / -0.8% (uniform), +0.9 / -0.4 / +0.1 / +0.1% (runs);
-    run 44 the same within 0.5% at 15,808 and 63,232 (run 33, before the warming: +0.5% at 15,808). At
-    6,144 within 0.9% either way of 8 warps with the rows ahead, which stays up to ``FEW_ROWS`` (the
-    fastest at 3,072 in run 33).
+    ``rows`` is the row count, or None where it is symbolic (a graph compiled for dynamic shapes): the
+    many-rows choice, without a guard on the count.
 
-    Below H = 5,376 the rule's warp count falls with H (2,048 columns: 1 warp for sites A and B, 2 for
-    C), and a program of 1 warp fills at most half an SM (at most 32 programs are resident per SM):
-    ``MIN_WARPS`` lifts it to 4. Side by side against the rule without it (``bench_check_cost.py
-    --baseline``, run 61), bf16, T = 15,808, H = 64 / 256 / 1,024 / 2,048 / 3,072 / 4,096: A -40 / -22 /
-    +1.4 / -5.7 / -2.7 / -2.5%, B -43 / -10 / -0.4 / -1.6 / -0.0 / +0.5%, C -10 / -6.1 / -2.0 / -1.7 / +0.1
-    / -0.2%; T = 3,072, H = 1,024 / 2,048 / 3,072 / 4,096: A +3.8 / -6.4 / -2.0 / -6.9%, B +8.1 / +0.7 /
-    +0.0 / -0.3%, C -7.1 / -1.6 / -0.3 / +0.5% (B at H = 1,024, T = 3,072 is slower under both policies,
-    9.9 against 9.1 us). At H = 2,048, T = 15,808 (``probe_configs.py --hidden 2048``, run 60) 4 warps
-    beat 2 and 8 for every site (A: 2 warps -4.5%, 4 warps -5.4%, 8 warps +2.6% against 1).
+    Every bound was chosen side by side on the H200 at H = 5,376, with the outputs unchanged
+    (docs/BENCHMARKS.md): the warp counts in runs 13 and 21 ("Launch configurations measured", "Small
+    T"); B's table rows ahead in run 30, and beyond ``FEW_ROWS`` on 4 warps in run 45; A on 4 warps with
+    its table rows ahead from 1,025 rows in run 41, and ``SITE_A_FEW_ROWS`` between 15,808 and 20,000
+    rows in runs 44, 45, 55 and 68, where under ``bf16`` the model's index in runs gains more than the
+    uniform index loses ("The index layout"); the warming distance in run 38; ``MIN_WARPS`` in runs
+    59-61 ("The launch rule below H = 5,376"). Measured there and slower: 1, 2 and 16 warps, the row
+    as one padded block, two rows per program, programs looping over rows, every table row loaded with
+    the activations, the table rows prefetched or touched first or warmed into L1, capped registers,
+    cache hints, and persistent programs pipelined through shared memory.
     """
     padded = triton.next_power_of_2(int(hidden))  # H is a constexpr: specialised, never symbolic
     if padded > MAX_BLOCK_H:
