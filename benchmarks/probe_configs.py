@@ -65,13 +65,15 @@ def main():
         named = configurations(site, tokens, args.hidden)
         for layout in args.index:
             inputs = make_inputs(site, tokens, args.hidden, TABLE_ROWS, index_layout=layout)
-            runs = {}
+            runs, outputs = {}, None
             for policy in args.policies:
                 for name in names:
                     capped = name == "shipped_maxnreg"
                     wrap = LaunchOptions(maxnreg=args.maxnreg) if capped else (lambda kernel: kernel)
                     config = named["shipped" if capped else name]
-                    runs[name, policy] = with_launch_config(kernel_launch(site, inputs, policy, wrap), config)
+                    launch = kernel_launch(site, inputs, policy, wrap, outputs=outputs)
+                    outputs = launch.outputs
+                    runs[name, policy] = with_launch_config(launch, config)
                     runs[name, policy]()
             if args.inductor:
                 compiled = inductor_epc(site)

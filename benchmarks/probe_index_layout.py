@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from bench_ops import HIDDEN, alternating_medians, relative_times  # noqa: E402
 from sites import (  # noqa: E402
     INDEX_LAYOUTS,
-    identical_outputs,
+    calls_agree,
     kernel_launch,
     make_inputs,
     shipped_launch_config,
@@ -58,16 +58,18 @@ def main():
         tokens = int(tokens)
         inputs = make_inputs(site, tokens, HIDDEN, TABLE_ROWS)
         shipped = shipped_launch_config(site, HIDDEN, tokens)
-        runs, same = {}, {}
+        runs, same, outputs = {}, {}, None
         for name, index in layouts(tokens).items():
             if args.layouts and name not in args.layouts:
                 continue
-            launches = {ahead: kernel_launch(site, dict(inputs, index=index), args.policy) for ahead in args.ahead}
-            for ahead, launch in launches.items():
-                runs[f"{name}_ahead{ahead}"] = with_launch_config(launch, dataclasses.replace(shipped, prefetch_ahead=ahead))
-                runs[f"{name}_ahead{ahead}"]()
-            same[name] = all(identical_outputs(launches[args.ahead[0]].outputs, launch.outputs)
-                             for launch in launches.values())
+            layout_runs = {}
+            for ahead in args.ahead:
+                launch = kernel_launch(site, dict(inputs, index=index), args.policy, outputs=outputs)
+                outputs = launch.outputs
+                layout_runs[f"{name}_ahead{ahead}"] = with_launch_config(
+                    launch, dataclasses.replace(shipped, prefetch_ahead=ahead))
+            same[name] = calls_agree(layout_runs.values(), outputs)
+            runs |= layout_runs
         med = alternating_medians(runs, args.rounds)
         print(f"{site} T={tokens:6d} {args.policy} " + relative_times(med, f"{next(iter(same))}_ahead{args.ahead[-1]}")
               + f"  identical: {same}", flush=True)

@@ -98,10 +98,11 @@ def row_probe_kernel(x_ptr, w_ptr, shift_ptr, scale_ptr, idx_ptr, y_ptr, times_p
         tl.store(base + 3, smid.to(tl.int64))
 
 
-def probe(work: str, inputs: dict, times: torch.Tensor | None = None):
-    """A launch of ``row_probe_kernel`` doing ``work`` on site A's ``inputs`` (``times``: record a timeline)."""
+def probe(work: str, inputs: dict, times: torch.Tensor | None = None, y: torch.Tensor | None = None):
+    """A launch of ``row_probe_kernel`` doing ``work`` on site A's ``inputs`` (``times``: record a timeline),
+    writing into ``y`` (by default its own)."""
     x = inputs["x"]
-    y = torch.empty_like(x)
+    y = torch.empty_like(x) if y is None else y
     config = shipped_launch_config("A", HIDDEN, None)
     timeline = times is not None
 
@@ -153,16 +154,20 @@ def main():
         nbytes = minimal_bytes(site, tokens, HIDDEN)
         src = torch.empty(nbytes // 4, dtype=torch.bfloat16, device="cuda")
         dst = torch.empty_like(src)
-        runs = {"copy_same_bytes": lambda: dst.copy_(src), "shipped_bf16": kernel_launch(site, inputs, "bf16")}
+        shipped = kernel_launch(site, inputs, "bf16")
+
+        def launch(policy="bf16", wrap=lambda kernel: kernel, **changed):  # into the shipped call's outputs
+            return kernel_launch(site, dict(inputs, **changed), policy, wrap, outputs=shipped.outputs)
+
+        runs = {"copy_same_bytes": lambda: dst.copy_(src), "shipped_bf16": shipped}
         caps = args.register_caps or ((48, 56, 64) if site == "A" else (32, 40))
-        runs |= {f"shipped_bf16_maxnreg{n}": kernel_launch(site, inputs, "bf16", LaunchOptions(maxnreg=n)) for n in caps if n}
-        runs["shipped_fp32"] = kernel_launch(site, inputs, "fp32")
-        runs["shipped_bf16_one_table_row"] = kernel_launch(site, dict(inputs, index=torch.zeros_like(inputs["index"])),
-                                                           "bf16")
+        runs |= {f"shipped_bf16_maxnreg{n}": launch(wrap=LaunchOptions(maxnreg=n)) for n in caps if n}
+        runs["shipped_fp32"] = launch("fp32")
+        runs["shipped_bf16_one_table_row"] = launch(index=torch.zeros_like(inputs["index"]))
         if site == "A":
-            runs |= {f"bf16_{warps}_warps": with_launch_config(kernel_launch(site, inputs, "bf16"),
-                                                             LaunchConfig(1, 32 * warps * 8, warps)) for warps in (4, 8)}
-            runs |= {f"probe_{work}": probe(work, inputs) for work in WORK if args.probes}
+            runs |= {f"bf16_{warps}_warps": with_launch_config(launch(), LaunchConfig(1, 32 * warps * 8, warps))
+                     for warps in (4, 8)}
+            runs |= {f"probe_{work}": probe(work, inputs, y=shipped.outputs[1]) for work in WORK if args.probes}
         for name, run in runs.items():
             compiled = run()
             if hasattr(compiled, "n_regs"):

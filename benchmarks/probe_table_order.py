@@ -18,7 +18,7 @@ import sys
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_ops import HIDDEN, alternating_medians, relative_times  # noqa: E402
 from sites import (  # noqa: E402
-    identical_outputs,
+    calls_agree,
     kernel_launch,
     load_kernel_module,
     make_inputs,
@@ -43,13 +43,13 @@ def main():
         inputs = make_inputs(site, tokens, HIDDEN)
         shipped = shipped_launch_config(site, HIDDEN, tokens)
         for policy in ("bf16", "fp32"):
-            launches = {"baseline": kernel_launch(site, inputs, policy, kernel_module=baseline)}
-            runs = dict(launches)
+            runs = {"baseline": kernel_launch(site, inputs, policy, kernel_module=baseline)}
+            outputs = runs["baseline"].outputs
             for name, ahead in ORDERS.items():
-                launches[name] = kernel_launch(site, inputs, policy)
-                runs[name] = with_launch_config(launches[name], dataclasses.replace(shipped, tables_ahead=ahead))
+                runs[name] = with_launch_config(kernel_launch(site, inputs, policy, outputs=outputs),
+                                                dataclasses.replace(shipped, tables_ahead=ahead))
             regs = {name: run().n_regs for name, run in runs.items()}
-            same = all(identical_outputs(launches["baseline"].outputs, launch.outputs) for launch in launches.values())
+            same = calls_agree(runs.values(), outputs)
             med = alternating_medians(runs, args.rounds)
             print(f"{site} T={tokens:6d} {policy} w{shipped.num_warps} "
                   + relative_times(med, "baseline", lambda name: f" r{regs[name]}") + f"  identical: {same}", flush=True)

@@ -82,20 +82,26 @@ def fused_site(site: str, policy: str, *, dispatcher: bool = False):
     return lambda residual, gate, branch, index: gate_residual(residual, gate, branch, index, policy=policy)
 
 
-def kernel_launch(site: str, inputs: dict, policy: str, wrap=lambda kernel: kernel, kernel_module=None):
+def kernel_launch(site: str, inputs: dict, policy: str, wrap=lambda kernel: kernel, kernel_module=None,
+                  outputs=None):
     """A call that launches the fused kernel alone on ``inputs`` (arguments checked once, outputs
     allocated once; no op dispatch) and returns what the launch returns (the compiled kernel); the call's
     ``outputs`` attribute holds ``(u, y)`` (None where the site has no such output). ``launch_config`` is
     read at each call, so a benchmark may swap it between calls. ``kernel_module``: another version of
-    ``h3_fused.kernels.triton_modulation`` to launch instead (``load_kernel_module``)."""
+    ``h3_fused.kernels.triton_modulation`` to launch instead (``load_kernel_module``). ``outputs``: the
+    ``outputs`` of another call on inputs of the same shapes, to write into instead of allocating. Calls
+    timed side by side share them: with outputs of their own, identical kernels differed by up to 1.7%,
+    the same way in every run, by where their outputs lay (runs 84-85, docs/BENCHMARKS.md)."""
     from h3_fused.kernels import triton_modulation
     from h3_fused.kernels.contract import check_args
 
     launch_modulation = (kernel_module or triton_modulation).launch_modulation
 
     a = check_args(**inputs, policy=policy, has_norm=site != "C")
-    u = torch.empty(a.out_shape, dtype=a.dtype, device=a.device) if site != "A" else None
-    y = torch.empty(a.out_shape, dtype=a.dtype, device=a.device) if site != "C" else None
+    if outputs is None:
+        outputs = tuple(torch.empty(a.out_shape, dtype=a.dtype, device=a.device) if wanted else None
+                        for wanted in (site != "A", site != "C"))
+    u, y = outputs
 
     def launch():
         return launch_modulation(a, u, y, wrap)
@@ -116,6 +122,24 @@ def identical_outputs(outputs, others) -> bool:
     """Whether two ``(u, y)`` tuples (e.g. ``kernel_launch(...).outputs``) are bit-identical wherever the
     first has an output."""
     return all(a is None or torch.equal(a, b) for a, b in zip(outputs, others))
+
+
+def calls_agree(calls, outputs) -> bool:
+    """Whether every one of ``calls`` (calls that write into the same ``outputs``: ``kernel_launch`` calls
+    given one ``outputs``, or those run ``with_launch_config``) leaves in them what the first leaves, bit
+    for bit. Each call runs on outputs filled with NaN, so that one that wrote nothing does not agree."""
+    first = None
+    for call in calls:
+        for t in outputs:
+            if t is not None:
+                t.fill_(float("nan"))
+        call()
+        got = tuple(None if t is None else t.clone() for t in outputs)
+        if first is None:
+            first = got
+        elif not identical_outputs(first, got):
+            return False
+    return True
 
 
 class LaunchOptions:

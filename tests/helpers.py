@@ -1,11 +1,16 @@
-"""Shared helpers of the pass tests: tiny models and counting fused ops that really ran."""
+"""Shared helpers of the tests: tiny models, counting fused ops that really ran, scripts run under the
+Triton interpreter."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import os
+import subprocess
+import sys
 
 import h3_fused
+import pytest
 import torch
 import torch.nn.functional as F
 from minimax_h3 import H3Config, H3Model, Spellings, example_inputs, init_weights
@@ -85,3 +90,12 @@ def assert_bf16_policy(got, expected):
         assert torch.equal(got, expected), "bf16 (and auto on the CPU) must be bit-identical to eager"
     else:
         torch.testing.assert_close(got, expected, rtol=0.05, atol=0.02 * expected.abs().max().item())
+
+
+def run_interpreted(script: str) -> str:
+    """``script`` in a fresh process under ``TRITON_INTERPRET=1``; its stdout, after it exits 0."""
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout

@@ -3,8 +3,6 @@ the Triton kernel's logic under the interpreter."""
 
 import math
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -12,6 +10,7 @@ import torch.nn.functional as F
 from exact_rounding import assert_fp32_gated_residual_rounds_once, double_rounding_cases, exact_gated_residual
 from h3_fused.kernels import gate_norm_modulate, gate_residual, norm_modulate
 from h3_fused.kernels.reference import sum_rounded_once
+from helpers import run_interpreted
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -298,15 +297,6 @@ except IndexError as e:
     assert "index out of range" in str(e)
 print("interpreted kernel OK")
 """
-
-
-def run_interpreted(script: str) -> str:
-    """``script`` in a fresh process under ``TRITON_INTERPRET=1``; its stdout, after it exits 0."""
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc.stdout
 
 
 def test_triton_kernel_logic_under_the_interpreter():
