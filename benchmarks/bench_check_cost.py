@@ -12,7 +12,8 @@ Each site and T is timed in ``--rounds`` rounds, every round measuring the kerne
 the other (device time under CUDA graphs after an L2 flush, as ``bench_ops.py``), so that drift of the
 GPU's clocks between variants cancels; the table gives the median of the rounds and the ratios to
 ``bf16``. Every variant writes into the same output buffers: with buffers of their own, two identical
-kernels differed by up to 1.7%, the same way in every run (runs 84-85, docs/BENCHMARKS.md). ``--index runs``: the index in contiguous runs, as the model lays it out (``sites.make_inputs``).
+kernels differed by up to 1.7%, the same way in every run (runs 84-85, docs/BENCHMARKS.md).
+``--index runs``: the index in contiguous runs, as the model lays it out (``sites.make_inputs``).
 """
 
 from __future__ import annotations
