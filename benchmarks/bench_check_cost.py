@@ -14,6 +14,8 @@ GPU's clocks between variants cancels; the table gives the median of the rounds 
 ``bf16``. Every variant writes into the same output buffers: with buffers of their own, two identical
 kernels differed by up to 1.7%, the same way in every run (runs 84-85, docs/BENCHMARKS.md).
 ``--index runs``: the index in contiguous runs, as the model lays it out (``sites.make_inputs``).
+``--flush read``: L2 emptied before each replay by reading a large buffer rather than writing it
+(``bench_ops.FLUSHES``), so that the kernel does not also write back the flush's dirty lines.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import torch
 import triton
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_ops import HIDDEN, TOKENS, alternating_rounds  # noqa: E402
+from bench_ops import FLUSHES, HIDDEN, TOKENS, alternating_rounds  # noqa: E402
 from sites import INDEX_LAYOUTS, SITES, LaunchOptions, kernel_launch, load_kernel_module, make_inputs  # noqa: E402
 
 
@@ -55,6 +57,7 @@ def main():
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--baseline", help="a kernels/triton_modulation.py of another commit to compare with")
     parser.add_argument("--index", default="uniform", choices=INDEX_LAYOUTS, help="layout of the index (sites.make_inputs)")
+    parser.add_argument("--flush", default="write", choices=FLUSHES, help="how L2 is emptied (bench_ops.FLUSHES)")
     parser.add_argument("--sites", nargs="+", default=list(SITES), choices=SITES)
     parser.add_argument("--tokens", nargs="+", type=int, default=list(TOKENS))
     parser.add_argument("--hidden", nargs="+", type=int, default=[HIDDEN])
@@ -70,9 +73,9 @@ def main():
         asserts = {name: "__assertfail" in run().asm["ptx"] for name, run in runs.items()}
         if asserts != {name: not name.endswith("_no_index_check") for name in runs}:
             raise RuntimeError(f"unexpected assertions in the compiled kernels: {asserts}")
-        times = alternating_rounds(runs, args.rounds)
+        times = alternating_rounds(runs, args.rounds, args.flush)
         us = {name: statistics.median(t) for name, t in times.items()}
-        rows.append(dict(site=site, H=hidden, T=tokens, index=args.index, us=us, rounds=times, gpu=torch.cuda.get_device_name(),
+        rows.append(dict(site=site, H=hidden, T=tokens, index=args.index, flush=args.flush, us=us, rounds=times, gpu=torch.cuda.get_device_name(),
                          torch=torch.__version__, triton=triton.__version__))
         line = (f"| {site} | {hidden:,} | {tokens:,} | {us['bf16']:.1f} | {us['fp32']:.1f} ({us['fp32'] / us['bf16'] - 1:+.1%}) | "
                 f"{us['bf16_no_index_check']:.1f} ({us['bf16'] / us['bf16_no_index_check'] - 1:+.1%}) | "

@@ -57,25 +57,31 @@ def copy_bandwidth() -> float:
 
 
 FLUSH = None
+FLUSHES = {  # how ``graph_ms`` evicts L2 before each replay, from a 256 MB buffer
+    "write": lambda buffer: buffer.zero_(),  # as do_bench does: L2 is left full of dirty lines
+    "read": lambda buffer: buffer.max(),  # L2 is left full of clean lines: evicting them writes nothing
+}
 
 
-def graph_ms(fn) -> float:
-    """Median device time of ``fn`` with a cold L2 and no host overhead (CUDA-graph replay)."""
+def graph_ms(fn, flush: str = "write") -> float:
+    """Median device time of ``fn`` with a cold L2 and no host overhead (CUDA-graph replay); ``flush``
+    names how L2 is emptied first (``FLUSHES``)."""
     global FLUSH
     if FLUSH is None:
-        FLUSH = torch.empty(256 * 1024**2, dtype=torch.int8, device="cuda")
-    both = do_bench_cudagraph(lambda: (FLUSH.zero_(), fn()), return_mode="median")
-    flush = do_bench_cudagraph(FLUSH.zero_, return_mode="median")
-    return both - flush
+        FLUSH = torch.empty(256 * 1024**2, dtype=torch.int8, device="cuda").zero_()
+    evict = FLUSHES[flush]
+    both = do_bench_cudagraph(lambda: (evict(FLUSH), fn()), return_mode="median")
+    alone = do_bench_cudagraph(lambda: evict(FLUSH), return_mode="median")
+    return both - alone
 
 
-def alternating_rounds(runs: dict, rounds: int) -> dict[str, list[float]]:
+def alternating_rounds(runs: dict, rounds: int, flush: str = "write") -> dict[str, list[float]]:
     """Each call of ``runs`` timed with ``graph_ms`` (in us) in ``rounds`` rounds, every round timing them
     one after the other, so that drift of the GPU's clocks between them cancels in the medians."""
     times = {name: [] for name in runs}
     for _ in range(rounds):
         for name, run in runs.items():
-            times[name].append(graph_ms(run) * 1e3)
+            times[name].append(graph_ms(run, flush) * 1e3)
     return times
 
 
