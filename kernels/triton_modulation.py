@@ -50,7 +50,8 @@ from .contract import ModulationArgs, Rounding
 MAX_BLOCK_H = 32768
 FEWEST_ROWS = 1024  # up to this many rows site A runs on 8 warps (``launch_config``)
 FEW_ROWS = 6144  # up to this many rows site B runs on 8 warps
-SITE_A_FEW_ROWS = 16384  # up to this many rows site A loads its table rows ahead
+SITE_A_NARROW_H = 2048  # up to this H site A loads its table rows ahead only up to SITE_A_FEW_ROWS rows
+SITE_A_FEW_ROWS = 16384
 MIN_WARPS = 4  # the fewest warps a program runs on (``launch_config``)
 
 
@@ -362,8 +363,8 @@ def launch_config(hidden: int, has_gate: bool, has_norm: bool, rows: int | None)
       H of 4,096 and less.
     - ``tables_ahead``: the norm's table rows (weight, ``scale[i]``, ``shift[i]``) loaded ahead of their
       use (the first chunk's before the reduction, each next chunk's before the current chunk's store;
-      more registers, fewer programs per SM) by site B always and by site A up to ``SITE_A_FEW_ROWS``
-      rows; by site A beyond, each just before its use.
+      more registers, fewer programs per SM) by site B always; by site A from H = 2,049 on always, and up
+      to ``SITE_A_NARROW_H`` = 2,048 for up to ``SITE_A_FEW_ROWS`` rows, each just before its use beyond.
     - ``prefetch_ahead``: the table rows of the row 1,024 rows on warmed in L2 (``_touch_coming_table_rows``).
 
     ``rows`` is the row count, or None where it is symbolic (a graph compiled for dynamic shapes): the
@@ -372,9 +373,11 @@ def launch_config(hidden: int, has_gate: bool, has_norm: bool, rows: int | None)
     Every bound was chosen side by side on the H200 at H = 5,376, with the outputs unchanged
     (docs/BENCHMARKS.md): the warp counts in runs 13 and 21 ("Launch configurations measured", "Small
     T"); B's table rows ahead in run 30, and beyond ``FEW_ROWS`` on 4 warps in run 45; A on 4 warps with
-    its table rows ahead from 1,025 rows in run 41, and ``SITE_A_FEW_ROWS`` between 15,808 and 20,000
-    rows in runs 44, 45, 55 and 68, where under ``bf16`` the model's index in runs gains more than the
-    uniform index loses ("The index layout"); the warming distance in run 38; ``MIN_WARPS`` in runs
+    its table rows ahead from 1,025 rows in run 41, and beyond 16,384 rows in runs 87-89, with one set
+    of output buffers for both ("The table rows ahead at every row count"): from H = 4,096 on 0.6-4.5%
+    faster with the model's index in runs and between 3.9% faster and 0.8% slower with the uniform one,
+    at H = 2,048 1.2-4.1% slower, so that there ``SITE_A_FEW_ROWS`` stays, which runs 44-71 had placed
+    between 15,808 and 20,000 rows; the warming distance in run 38; ``MIN_WARPS`` in runs
     59-61 ("The launch rule below H = 5,376"). Measured there and slower: 1, 2 and 16 warps, the row
     as one padded block, two rows per program, programs looping over rows, every table row loaded with
     the activations, the table rows prefetched or touched first or warmed into L1, capped registers,
@@ -392,7 +395,7 @@ def launch_config(hidden: int, has_gate: bool, has_norm: bool, rows: int | None)
     per_thread = 32 if more_warps else 64
     num_warps = max(MIN_WARPS, min(16, block_t * padded // (32 * per_thread)))
     chunk = min(padded, max(1, 32 * num_warps * 8 // block_t))  # the quotient is 0 at H = 1
-    tables_ahead = has_norm and (has_gate or at_most(SITE_A_FEW_ROWS))
+    tables_ahead = has_norm and (has_gate or hidden > SITE_A_NARROW_H or at_most(SITE_A_FEW_ROWS))
     return LaunchConfig(block_t, chunk, num_warps, tables_ahead)
 
 

@@ -22,9 +22,8 @@ def _diff(got, ref):
 @pytest.mark.parametrize("tokens", [1, 1024, 3072, 15808, 63232])
 @pytest.mark.parametrize("site", ["A", "B", "C"])
 def test_bf16_policy_matches_eager_at_real_size(site, tokens):
-    """Every build at H = 5376: site B on 8 warps up to 6,144 rows (1, 1,024, 3,072) and on 4 beyond, its
-    table rows always loaded ahead; site A on 8 warps up to 1,024 rows and on 4 from 3,072 on, its table
-    rows loaded ahead up to 16,384 rows (``SITE_A_FEW_ROWS``: 3,072 and 15,808)."""
+    """Every build at H = 5376: site B on 8 warps up to 6,144 rows (1, 1,024, 3,072) and on 4 beyond; site A
+    on 8 warps up to 1,024 rows and on 4 from 3,072 on; both with their table rows loaded ahead."""
     inputs = make_inputs(site, tokens, seed=tokens)
     _assert_bf16_policy_matches_eager(site, fused_site(site, "bf16")(**inputs), eager_site(site)(**inputs))
 
@@ -144,11 +143,11 @@ def test_64_bit_offsets_past_2_to_the_31_elements():
     assert torch.equal(got[-128:], ref[-128:]) and torch.equal(got, ref)
 
 
-@pytest.mark.parametrize("site, threshold", [("A", "SITE_A_FEW_ROWS"), ("B", "FEW_ROWS")])
+@pytest.mark.parametrize("site, threshold", [("A", "FEWEST_ROWS"), ("B", "FEW_ROWS")])
 def test_dynamic_shapes_compile_once_across_the_few_rows_threshold(site, threshold):
     """Compiled for dynamic shapes, the row count is symbolic: the launch configuration must not guard on
-    it, so row counts on both sides of the site's bound (A: ``SITE_A_FEW_ROWS``, where it stops loading its
-    table rows ahead; B: ``FEW_ROWS``, where it goes from 8 warps to 4) run the one compiled graph, exactly."""
+    it, so row counts on both sides of the site's bound (A: ``FEWEST_ROWS``, B: ``FEW_ROWS``, where it goes
+    from 8 warps to 4) run the one compiled graph, exactly."""
     from h3_fused.kernels import triton_modulation
 
     bound = getattr(triton_modulation, threshold)

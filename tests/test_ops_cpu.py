@@ -423,14 +423,16 @@ def test_launch_config_never_runs_on_fewer_than_min_warps(hidden, site, rows):
     assert (c.block_t == 1) == (hidden > 1024)
 
 
-def test_launch_config_loads_table_rows_ahead_for_site_b_and_few_known_rows_of_site_a():
-    """Site B always loads its table rows ahead; site A up to ``SITE_A_FEW_ROWS`` rows, neither beyond
-    nor where the count is symbolic; site C has no table rows of a norm; every build warms the coming
-    table rows 1,024 rows ahead."""
-    from h3_fused.kernels.triton_modulation import FEWEST_ROWS, SITE_A_FEW_ROWS, launch_config
+@pytest.mark.parametrize("hidden", [2048, 2049, 5376])
+def test_launch_config_loads_table_rows_ahead_for_site_b_and_site_a_but_many_narrow_rows(hidden):
+    """Site B always loads its table rows ahead; site A too, except at H up to ``SITE_A_NARROW_H`` beyond
+    ``SITE_A_FEW_ROWS`` rows or where the count is symbolic; site C has no table rows of a norm; every
+    build warms the coming table rows 1,024 rows ahead."""
+    from h3_fused.kernels.triton_modulation import FEWEST_ROWS, SITE_A_FEW_ROWS, SITE_A_NARROW_H, launch_config
 
     counts = (1, FEWEST_ROWS, FEWEST_ROWS + 1, SITE_A_FEW_ROWS, SITE_A_FEW_ROWS + 1, None)
-    ahead = {(gated, normed): [launch_config(5376, gated, normed, rows).tables_ahead for rows in counts]
+    ahead = {(gated, normed): [launch_config(hidden, gated, normed, rows).tables_ahead for rows in counts]
              for gated, normed in ((False, True), (True, True), (True, False))}
-    assert ahead == {(False, True): [True] * 4 + [False] * 2, (True, True): [True] * 6, (True, False): [False] * 6}
-    assert {launch_config(5376, g, n, rows).prefetch_ahead for g, n in ahead for rows in counts} == {1024}
+    site_a = [True] * 4 + [hidden > SITE_A_NARROW_H] * 2
+    assert ahead == {(False, True): site_a, (True, True): [True] * 6, (True, False): [False] * 6}
+    assert {launch_config(hidden, g, n, rows).prefetch_ahead for g, n in ahead for rows in counts} == {1024}
