@@ -370,7 +370,8 @@ def launch_config(hidden: int, has_gate: bool, has_norm: bool, rows: int | None)
     ``rows`` is the row count, or None where it is symbolic (a graph compiled for dynamic shapes): the
     many-rows choice, without a guard on the count.
 
-    Every bound was chosen side by side on the H200 at H = 5,376, with the outputs unchanged
+    Every bound was chosen side by side on the H200 at H = 5,376 (``SITE_A_NARROW_H`` at H = 2,048 to
+    16,384), with the outputs unchanged
     (docs/BENCHMARKS.md): the warp counts in runs 13 and 21 ("Launch configurations measured", "Small
     T"); B's table rows ahead in run 30, and beyond ``FEW_ROWS`` on 4 warps in run 45; A on 4 warps with
     its table rows ahead from 1,025 rows in run 41, and beyond 16,384 rows in runs 87-89, with one set
