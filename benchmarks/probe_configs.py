@@ -7,6 +7,8 @@ layout, median of ``--rounds`` alternating rounds of device time after an L2 flu
   16-byte vector per thread, the table rows loaded ahead (``tables_ahead``), the shipped warming of
   coming table rows;
 - ``w2`` / ``w4`` / ``w8``: the same with the table rows loaded just before their use;
+- site C only, ``c{columns}_w{warps}``: each row split into blocks of ``columns`` columns, one per program
+  on ``warps`` warps (``LaunchConfig.columns``);
 - ``shipped_maxnreg``: the shipped configuration with ptxas capping the registers per thread at
   ``--maxnreg`` (more programs per SM where the build needs more), added when that option is given;
 - ``inductor_epc``: ``bench_ops.inductor_epc``, added with ``--inductor``; one compile serves both
@@ -28,6 +30,7 @@ from bench_ops import HIDDEN, alternating_medians, inductor_epc, relative_times 
 from sites import (  # noqa: E402
     INDEX_LAYOUTS,
     LaunchOptions,
+    calls_agree,
     kernel_launch,
     make_inputs,
     shipped_launch_config,
@@ -35,6 +38,7 @@ from sites import (  # noqa: E402
 )
 
 TABLE_ROWS = 6
+COLUMN_BLOCKS = ((512, 2), (1024, 4), (2048, 4), (2048, 8), (4096, 8))  # (columns, warps) of site C's splits
 
 
 def configurations(site: str, tokens: int, hidden: int) -> dict:
@@ -44,6 +48,9 @@ def configurations(site: str, tokens: int, hidden: int) -> dict:
     for warps in (2, 4, 8):
         for ahead in (False, True):
             named[f"w{warps}" + ("_ahead" if ahead else "")] = LaunchConfig(1, 32 * warps * 8, warps, ahead)
+    if site == "C":
+        for columns, warps in COLUMN_BLOCKS:
+            named[f"c{columns}_w{warps}"] = LaunchConfig(1, min(columns, 32 * warps * 8), warps, columns=columns)
     return named
 
 
@@ -79,12 +86,13 @@ def main():
                 compiled = inductor_epc(site)
                 runs["inductor_epc"] = lambda compiled=compiled, inputs=inputs: compiled(**inputs)
                 runs["inductor_epc"]()
+            agree = all(calls_agree([runs[name, policy] for name in names], outputs) for policy in args.policies)
             med = alternating_medians(runs, args.rounds)
             inductor = ["inductor_epc"] * args.inductor
             for policy in args.policies:
                 line = {name: med[name, policy] for name in names} | {name: med[name] for name in inductor}
                 print(f"{site} H={args.hidden} T={tokens:6d} {layout:7s} {policy} shipped={named['shipped']}: "
-                      + relative_times(line, "shipped"), flush=True)
+                      + relative_times(line, "shipped") + f"; outputs identical: {agree}", flush=True)
 
 
 if __name__ == "__main__":
