@@ -1,14 +1,13 @@
 """Side by side: the kernel under named launch configurations, per site, row count, policy and index
 layout, median of ``--rounds`` alternating rounds of device time after an L2 flush (as
-``bench_ops.py``), each against the configuration ``launch_config`` ships for that row count:
+``bench_ops.py``), each against the configuration ``launch_config`` ships for that row count (each line
+also says whether every configuration of its policy left bit-identical outputs, ``sites.calls_agree``):
 
 - ``shipped``: what ``launch_config`` picks for the site at ``T`` rows;
 - ``w2_ahead`` / ``w4_ahead`` / ``w8_ahead``: one row per program on 2 / 4 / 8 warps, chunks of one
   16-byte vector per thread, the table rows loaded ahead (``tables_ahead``), the shipped warming of
   coming table rows;
 - ``w2`` / ``w4`` / ``w8``: the same with the table rows loaded just before their use;
-- site C only, ``c{columns}_w{warps}``: each row split into blocks of ``columns`` columns, one per program
-  on ``warps`` warps (``LaunchConfig.columns``);
 - ``shipped_maxnreg``: the shipped configuration with ptxas capping the registers per thread at
   ``--maxnreg`` (more programs per SM where the build needs more), added when that option is given;
 - ``inductor_epc``: ``bench_ops.inductor_epc``, added with ``--inductor``; one compile serves both
@@ -38,7 +37,6 @@ from sites import (  # noqa: E402
 )
 
 TABLE_ROWS = 6
-COLUMN_BLOCKS = ((512, 2), (1024, 4), (2048, 4), (2048, 8), (4096, 8))  # (columns, warps) of site C's splits
 
 
 def configurations(site: str, tokens: int, hidden: int) -> dict:
@@ -48,9 +46,6 @@ def configurations(site: str, tokens: int, hidden: int) -> dict:
     for warps in (2, 4, 8):
         for ahead in (False, True):
             named[f"w{warps}" + ("_ahead" if ahead else "")] = LaunchConfig(1, 32 * warps * 8, warps, ahead)
-    if site == "C":
-        for columns, warps in COLUMN_BLOCKS:
-            named[f"c{columns}_w{warps}"] = LaunchConfig(1, min(columns, 32 * warps * 8), warps, columns=columns)
     return named
 
 

@@ -171,28 +171,21 @@ def _touch_coming_table_rows(idx_ptr, shift_ptr, scale_ptr, gate_ptr, n_rows, nu
 
 
 @triton.jit
-def _chunk(c: tl.constexpr, row_ok, CHUNK: tl.constexpr, HIDDEN: tl.constexpr, first=0, SPLIT: tl.constexpr = False):
-    """The lanes of chunk ``c`` (its columns are ``first + c * CHUNK + lanes``) and the load/store mask (a
-    column test only in the chunk that crosses ``H``; in every chunk where the program holds a block of
-    the row's columns from ``first`` on (``SPLIT``), since which block crosses ``H`` is known only at
-    run time).
+def _chunk(c: tl.constexpr, row_ok, CHUNK: tl.constexpr, HIDDEN: tl.constexpr):
+    """The lanes of chunk ``c`` (its columns are ``c * CHUNK + lanes``) and the load/store mask (a column
+    test only in the chunk that crosses ``H``).
 
     Column offsets are added to pointers, never to int32 tensors: with ``debug=True`` (which keeps the
     index assertion) Triton checks every int32 add for overflow, each with an assertion and a barrier.
     """
     lanes = tl.arange(0, CHUNK)
-    if SPLIT:
-        mask = row_ok[:, None] & (lanes < HIDDEN - first - c * CHUNK)[None, :]
-    elif (c + 1) * CHUNK > HIDDEN:
-        mask = row_ok[:, None] & (lanes < HIDDEN - c * CHUNK)[None, :]
-    else:
-        mask = row_ok[:, None]
+    mask = row_ok[:, None] & (lanes < HIDDEN - c * CHUNK)[None, :] if (c + 1) * CHUNK > HIDDEN else row_ok[:, None]
     return lanes, mask
 
 
 @triton.jit
 def _new_residual(
-    x_ptr, res_ptr, branch_ptr, gate_ptr, u_ptr, rows, idx, zero, start, lanes, mask,
+    x_ptr, res_ptr, branch_ptr, gate_ptr, u_ptr, rows, idx, zero, start: tl.constexpr, lanes, mask,
     stride_x, stride_res, stride_branch, stride_gate,
     HIDDEN: tl.constexpr, HAS_GATE: tl.constexpr, ROUND_GATE: tl.constexpr, FUSE_MULTIPLY_ADD: tl.constexpr,
     PORTABLE: tl.constexpr,
@@ -292,17 +285,9 @@ def modulation_kernel(
     HIDDEN: tl.constexpr, HAS_GATE: tl.constexpr, HAS_NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr,
     ROUND_GATE: tl.constexpr, ROUND_NORM: tl.constexpr, ROUND_NORM_BEFORE_WEIGHT: tl.constexpr,
     ROUND_AFFINE: tl.constexpr, FUSE_MULTIPLY_ADD: tl.constexpr, PORTABLE: tl.constexpr, BLOCK_T: tl.constexpr,
-    CHUNK: tl.constexpr, TABLES_AHEAD: tl.constexpr, AHEAD: tl.constexpr, COLUMNS: tl.constexpr,
+    CHUNK: tl.constexpr, TABLES_AHEAD: tl.constexpr, AHEAD: tl.constexpr,
 ):
-    program = tl.program_id(0).to(tl.int64)
-    SPLIT: tl.constexpr = COLUMNS < HIDDEN  # site C in blocks of COLUMNS columns, each row's on consecutive programs
-    if SPLIT:
-        blocks: tl.constexpr = triton.cdiv(HIDDEN, COLUMNS)
-        first = (program % blocks) * COLUMNS
-        program = program // blocks
-    else:
-        first: tl.constexpr = 0
-    rows = program * BLOCK_T + tl.arange(0, BLOCK_T)
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     row_ok = rows < n_rows
     idx = tl.load(idx_ptr + rows, mask=row_ok, other=0).to(tl.int64)
     bad = row_ok & ((idx < 0) | (idx >= num_table_rows))
@@ -311,9 +296,9 @@ def modulation_kernel(
 
     kept = ()  # the row's chunks of u, in the activation dtype (exact: u is rounded to it or loaded in it)
     squares = tl.zeros([BLOCK_T, CHUNK], tl.float32)
-    for c in tl.static_range(triton.cdiv(COLUMNS, CHUNK)):
-        lanes, mask = _chunk(c, row_ok, CHUNK, HIDDEN, first, SPLIT)
-        u = _new_residual(x_ptr, res_ptr, branch_ptr, gate_ptr, u_ptr, rows, idx, zero, first + c * CHUNK, lanes, mask,
+    for c in tl.static_range(triton.cdiv(HIDDEN, CHUNK)):
+        lanes, mask = _chunk(c, row_ok, CHUNK, HIDDEN)
+        u = _new_residual(x_ptr, res_ptr, branch_ptr, gate_ptr, u_ptr, rows, idx, zero, c * CHUNK, lanes, mask,
                           stride_x, stride_res, stride_branch, stride_gate, HIDDEN, HAS_GATE, ROUND_GATE,
                           FUSE_MULTIPLY_ADD, PORTABLE)
         if HAS_NORM:
@@ -325,9 +310,9 @@ def modulation_kernel(
         tables = _tables_chunk(w_ptr, shift_ptr, scale_ptr, idx, 0, row_ok, stride_shift, stride_scale, HIDDEN,
                                CHUNK, HAS_WEIGHT)
     if HAS_GATE:  # after every chunk's loads: a store may alias them, so no load could move above it
-        for c in tl.static_range(triton.cdiv(COLUMNS, CHUNK)):
-            lanes, mask = _chunk(c, row_ok, CHUNK, HIDDEN, first, SPLIT)
-            tl.store(u_ptr + rows[:, None] * HIDDEN + first + c * CHUNK + lanes[None, :], kept[c], mask=mask)
+        for c in tl.static_range(triton.cdiv(HIDDEN, CHUNK)):
+            lanes, mask = _chunk(c, row_ok, CHUNK, HIDDEN)
+            tl.store(u_ptr + rows[:, None] * HIDDEN + c * CHUNK + lanes[None, :], kept[c], mask=mask)
     # after the activation loads: a load may not move above the assertion's call, which would otherwise
     # hold the row's loads until the index arrives (measured: 5-6% of site A at T >= 15,808)
     tl.device_assert(~bad, "h3_fused: index out of range [0, K)")
@@ -360,25 +345,13 @@ class LaunchConfig:
     """``BLOCK_T`` rows per program, each read in chunks of ``CHUNK`` columns, on ``num_warps`` warps;
     ``tables_ahead``: the norm's table rows loaded ahead of their use (``launch_config``);
     ``prefetch_ahead``: how many rows ahead the kernel warms L2 with the table rows it will read (0: it
-    does not; ``_touch_coming_table_rows``); ``columns``: site C's rows split into blocks of this many
-    columns (a multiple of ``chunk``), one per program (None: whole rows)."""
+    does not; ``_touch_coming_table_rows``)."""
 
     block_t: int
     chunk: int
     num_warps: int
     tables_ahead: bool = False
     prefetch_ahead: int = 1024
-    columns: int | None = None
-
-    def columns_per_program(self, hidden: int, has_norm: bool) -> int:
-        """The columns each program holds: ``hidden`` (whole rows) unless ``columns`` splits a row of site C."""
-        if self.columns is None or self.block_t > 1 or self.columns >= hidden:
-            return hidden
-        if has_norm:
-            raise ValueError("columns: a site with a norm needs whole rows per program")
-        if self.columns % self.chunk:
-            raise ValueError(f"columns={self.columns} is not a multiple of chunk={self.chunk}")
-        return self.columns
 
 
 def launch_config(hidden: int, has_gate: bool, has_norm: bool, rows: int | None) -> LaunchConfig:
@@ -435,7 +408,7 @@ def specialisation(hidden: int, has_gate: bool, has_norm: bool, has_weight: bool
         ROUND_NORM_BEFORE_WEIGHT=rounding.norm_before_weight, ROUND_AFFINE=rounding.affine,
         FUSE_MULTIPLY_ADD=rounding.fused_multiply_add, PORTABLE=portable, BLOCK_T=config.block_t, CHUNK=config.chunk,
         TABLES_AHEAD=config.tables_ahead and has_norm,  # no tables without a norm: one build of site C
-        AHEAD=config.prefetch_ahead, COLUMNS=config.columns_per_program(hidden, has_norm),
+        AHEAD=config.prefetch_ahead,
     )
 
 
@@ -461,8 +434,7 @@ def launch_modulation(a: ModulationArgs, u: torch.Tensor | None, y: torch.Tensor
 
     x, res, branch = rows_or_alias(a.x), rows_or_alias(a.residual), rows_or_alias(a.branch)
     gate, shift, scale = table_or_alias(a.gate), table_or_alias(a.shift), table_or_alias(a.scale)
-    blocks = triton.cdiv(a.hidden, config.columns_per_program(a.hidden, a.scale is not None))
-    return wrap(modulation_kernel)[(triton.cdiv(a.rows, config.block_t) * blocks,)](
+    return wrap(modulation_kernel)[(triton.cdiv(a.rows, config.block_t),)](
         x, res, branch, gate, table_or_alias(a.weight), shift, scale, a.index,
         y if u is None else u, u if y is None else y,
         a.rows, a.num_table_rows, a.eps,

@@ -358,60 +358,6 @@ def test_rows_read_in_chunks_under_the_interpreter():
     assert "chunked rows OK" in run_interpreted(CHUNKED)
 
 
-COLUMN_BLOCKS = SITE_INPUTS + r"""
-import itertools
-from h3_fused.kernels import gate_residual
-from h3_fused.kernels import triton_modulation as tm
-from h3_fused.kernels.contract import check_args
-from h3_fused.kernels.reference import reference_modulation
-torch.manual_seed(3)
-# site C's rows split into blocks of 32 or 64 columns (chunks of 16 or 32), one per program: H = 64 is
-# whole blocks, H = 101 and 200 end in a partial one (5 and 8 columns wide), and a residual of row
-# stride 2H is read as a view
-for hidden, tokens in ((64, 7), (101, 9), (200, 5)):
-    x, br, w, t, idx = site_inputs(tokens, hidden)
-    res = torch.randn(tokens, 2 * hidden).to(torch.bfloat16)[:, hidden:]
-    for policy, (columns, chunk) in itertools.product(("bf16", "fp32"), ((32, 16), (32, 32), (64, 32))):
-        tm.launch_config = lambda h, g, n, rows: tm.LaunchConfig(1, chunk, 1, columns=columns)
-        got = gate_residual(res, t[2], br, idx, policy=policy)
-        ref = reference_modulation(check_args(residual=res, branch=br, gate=t[2], index=idx, policy=policy,
-                                              has_norm=False))[0]
-        assert torch.equal(got, ref), (hidden, policy, columns, chunk)
-    bad = idx.clone()
-    bad[-1] = 3
-    try:
-        gate_residual(res, t[2], br, bad, policy="bf16")
-    except Exception as e:
-        assert "index out of range" in str(e), e
-    else:
-        raise AssertionError("an out-of-range index passed in a block of columns")
-print("column blocks OK")
-"""
-
-
-def test_site_c_in_blocks_of_columns_under_the_interpreter():
-    """``LaunchConfig.columns``: site C's rows split over programs, with the block that crosses ``H``
-    masked at run time, give the reference's new residual bit for bit under both policies, and an
-    out-of-range index still fails the kernel's assertion."""
-    assert "column blocks OK" in run_interpreted(COLUMN_BLOCKS)
-
-
-def test_only_site_c_splits_its_rows_into_blocks_of_columns():
-    """``columns`` applies to one-row programs of site C; a normed site refuses it (its norm needs the
-    whole row), and a block not a multiple of the chunk is refused."""
-    from h3_fused.kernels.triton_modulation import LaunchConfig
-
-    split = LaunchConfig(1, 1024, 4, columns=2048)
-    assert split.columns_per_program(5376, has_norm=False) == 2048
-    assert split.columns_per_program(2048, has_norm=False) == 2048
-    assert LaunchConfig(2, 1024, 4, columns=512).columns_per_program(512, has_norm=False) == 512
-    assert LaunchConfig(1, 1024, 4).columns_per_program(5376, has_norm=True) == 5376
-    with pytest.raises(ValueError, match="columns: a site with a norm"):
-        split.columns_per_program(5376, has_norm=True)
-    with pytest.raises(ValueError, match="not a multiple of chunk"):
-        LaunchConfig(1, 1024, 4, columns=1536).columns_per_program(5376, has_norm=False)
-
-
 WARMED = SITE_INPUTS + r"""
 import dataclasses
 from h3_fused.kernels import gate_norm_modulate, gate_residual, norm_modulate
