@@ -4,6 +4,8 @@ layout, median of ``--rounds`` alternating rounds of device time after an L2 flu
 also says whether every configuration of its policy left bit-identical outputs, ``sites.calls_agree``):
 
 - ``shipped``: what ``launch_config`` picks for the site at ``T`` rows;
+- ``shipped_warm_tables``: the same, the first programs bringing every table row into L2 as the kernel
+  starts (``LaunchConfig.warm_tables``);
 - ``w2_ahead`` / ``w4_ahead`` / ``w8_ahead``: one row per program on 2 / 4 / 8 warps, chunks of one
   16-byte vector per thread, the table rows loaded ahead (``tables_ahead``), the shipped warming of
   coming table rows;
@@ -11,7 +13,10 @@ also says whether every configuration of its policy left bit-identical outputs, 
 - ``shipped_maxnreg``: the shipped configuration with ptxas capping the registers per thread at
   ``--maxnreg`` (more programs per SM where the build needs more), added when that option is given;
 - ``inductor_epc``: ``bench_ops.inductor_epc``, added with ``--inductor``; one compile serves both
-  policies' lines.
+  policies' lines;
+- ``tables_in_l2``: the shipped configuration with every table row and the weight already in L2 when it
+  starts (after the flush, a copy reads them; timed as copy + kernel minus the copy alone), added with
+  ``--tables-in-l2``: the most that warming the tables as the kernel starts could give.
 
     python benchmarks/probe_configs.py [--cases A:2048 A:3072 A:4096] [--policies bf16 fp32]
         [--index uniform runs] [--configs shipped w4_ahead w8] [--maxnreg 64] [--hidden 5376]
@@ -21,8 +26,11 @@ also says whether every configuration of its policy left bit-identical outputs, 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
+
+import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_ops import HIDDEN, alternating_medians, inductor_epc, relative_times  # noqa: E402
@@ -43,10 +51,24 @@ def configurations(site: str, tokens: int, hidden: int) -> dict:
     from h3_fused.kernels.triton_modulation import LaunchConfig
 
     named = {"shipped": shipped_launch_config(site, hidden, tokens)}
+    named["shipped_warm_tables"] = dataclasses.replace(named["shipped"], warm_tables=True)
     for warps in (2, 4, 8):
         for ahead in (False, True):
             named[f"w{warps}" + ("_ahead" if ahead else "")] = LaunchConfig(1, 32 * warps * 8, warps, ahead)
     return named
+
+
+def tables_touch(inputs: dict):
+    """A call that reads every table (the ``[K, 6H]`` tensor the site's tables are views of) and the weight
+    into scratch buffers, leaving them in L2."""
+    reads = [t for t in (inputs.get("shift", inputs.get("gate"))._base, inputs.get("weight")) if t is not None]
+    scratch = [torch.empty_like(t) for t in reads]
+
+    def touch():
+        for out, t in zip(scratch, reads):
+            out.copy_(t)
+
+    return touch
 
 
 def main():
@@ -59,6 +81,7 @@ def main():
     parser.add_argument("--maxnreg", type=int, help="also the shipped configuration with this register cap")
     parser.add_argument("--hidden", type=int, default=HIDDEN)
     parser.add_argument("--inductor", action="store_true", help="also Inductor with emulate_precision_casts")
+    parser.add_argument("--tables-in-l2", action="store_true", help="also the shipped kernel with the tables in L2")
     args = parser.parse_args()
     names = args.configs + ["shipped_maxnreg"] * (args.maxnreg is not None)
     for case in args.cases:
@@ -81,11 +104,19 @@ def main():
                 compiled = inductor_epc(site)
                 runs["inductor_epc"] = lambda compiled=compiled, inputs=inputs: compiled(**inputs)
                 runs["inductor_epc"]()
+            if args.tables_in_l2:
+                touch = tables_touch(inputs)
+                runs["touch"] = touch
+                for policy in args.policies:
+                    shipped = runs["shipped", policy]
+                    runs["touched", policy] = lambda touch=touch, shipped=shipped: (touch(), shipped())
             agree = all(calls_agree([runs[name, policy] for name in names], outputs) for policy in args.policies)
             med = alternating_medians(runs, args.rounds)
             inductor = ["inductor_epc"] * args.inductor
             for policy in args.policies:
                 line = {name: med[name, policy] for name in names} | {name: med[name] for name in inductor}
+                if args.tables_in_l2:
+                    line["tables_in_l2"] = med["touched", policy] - med["touch"]
                 print(f"{site} H={args.hidden} T={tokens:6d} {layout:7s} {policy} shipped={named['shipped']}: "
                       + relative_times(line, "shipped") + f"; outputs identical: {agree}", flush=True)
 
