@@ -171,33 +171,6 @@ def _touch_coming_table_rows(idx_ptr, shift_ptr, scale_ptr, gate_ptr, n_rows, nu
 
 
 @triton.jit
-def _touch_table_rows(w_ptr, shift_ptr, scale_ptr, num_table_rows, stride_shift, stride_scale,
-                      HIDDEN: tl.constexpr, HAS_WEIGHT: tl.constexpr, LANES: tl.constexpr):
-    """Brings every row of ``shift`` and ``scale`` and the weight into L2 as the kernel starts: the 32-byte
-    sectors of the rows taken in order (the shift rows, the scale rows, the weight) are spread over the
-    first programs, one per lane, each lane reading one element of its sector (a ``volatile`` load whose
-    result is unused). Issued before the row's loads and with no wait on the index, so that the table
-    rows, which the first programs otherwise request from DRAM only behind every resident program's
-    activations, arrive first. Changes no result."""
-    per_sector: tl.constexpr = 256 // shift_ptr.dtype.element_ty.primitive_bitwidth
-    row_sectors: tl.constexpr = (HIDDEN + per_sector - 1) // per_sector
-    w_per_sector: tl.constexpr = 256 // w_ptr.dtype.element_ty.primitive_bitwidth
-    w_sectors: tl.constexpr = (HIDDEN + w_per_sector - 1) // w_per_sector if HAS_WEIGHT else 0
-    table_sectors = 2 * num_table_rows.to(tl.int64) * row_sectors
-    first = tl.program_id(0).to(tl.int64) * LANES
-    if first < table_sectors + w_sectors:
-        sector = first + tl.arange(0, LANES).to(tl.int64)
-        row = sector // row_sectors
-        col = (sector % row_sectors) * per_sector
-        table = tl.where(sector < table_sectors // 2, shift_ptr + row * stride_shift,
-                         scale_ptr + (row - num_table_rows) * stride_scale)
-        tl.load(table + col, mask=sector < table_sectors, volatile=True)
-        if HAS_WEIGHT:
-            w_col = (sector - table_sectors) * w_per_sector
-            tl.load(w_ptr + w_col, mask=(w_col >= 0) & (w_col < HIDDEN), volatile=True)
-
-
-@triton.jit
 def _chunk(c: tl.constexpr, row_ok, CHUNK: tl.constexpr, HIDDEN: tl.constexpr):
     """The lanes of chunk ``c`` (its columns are ``c * CHUNK + lanes``) and the load/store mask (a column
     test only in the chunk that crosses ``H``).
@@ -312,11 +285,8 @@ def modulation_kernel(
     HIDDEN: tl.constexpr, HAS_GATE: tl.constexpr, HAS_NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr,
     ROUND_GATE: tl.constexpr, ROUND_NORM: tl.constexpr, ROUND_NORM_BEFORE_WEIGHT: tl.constexpr,
     ROUND_AFFINE: tl.constexpr, FUSE_MULTIPLY_ADD: tl.constexpr, PORTABLE: tl.constexpr, BLOCK_T: tl.constexpr,
-    CHUNK: tl.constexpr, TABLES_AHEAD: tl.constexpr, AHEAD: tl.constexpr, WARM_TABLES: tl.constexpr,
+    CHUNK: tl.constexpr, TABLES_AHEAD: tl.constexpr, AHEAD: tl.constexpr,
 ):
-    if WARM_TABLES and HAS_NORM:
-        _touch_table_rows(w_ptr, shift_ptr, scale_ptr, num_table_rows, stride_shift, stride_scale, HIDDEN,
-                          HAS_WEIGHT, BLOCK_T * CHUNK // 8)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     row_ok = rows < n_rows
     idx = tl.load(idx_ptr + rows, mask=row_ok, other=0).to(tl.int64)
@@ -382,7 +352,6 @@ class LaunchConfig:
     num_warps: int
     tables_ahead: bool = False
     prefetch_ahead: int = 1024
-    warm_tables: bool = False
 
 
 def launch_config(hidden: int, has_gate: bool, has_norm: bool, rows: int | None) -> LaunchConfig:
@@ -439,7 +408,7 @@ def specialisation(hidden: int, has_gate: bool, has_norm: bool, has_weight: bool
         ROUND_NORM_BEFORE_WEIGHT=rounding.norm_before_weight, ROUND_AFFINE=rounding.affine,
         FUSE_MULTIPLY_ADD=rounding.fused_multiply_add, PORTABLE=portable, BLOCK_T=config.block_t, CHUNK=config.chunk,
         TABLES_AHEAD=config.tables_ahead and has_norm,  # no tables without a norm: one build of site C
-        AHEAD=config.prefetch_ahead, WARM_TABLES=config.warm_tables,
+        AHEAD=config.prefetch_ahead,
     )
 
 
