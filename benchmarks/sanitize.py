@@ -7,7 +7,8 @@ Each launch runs six times: with the configuration ``launch_config`` picks for i
 sites A and B, and site A's builds that load its table rows ahead and that load them just before their
 use, are all checked at the edge sizes; and each once more warming the coming table rows one row ahead
 (``prefetch_ahead``; the shipped 1,024 rows ahead never reach past these sizes), so that those reads
-are checked too, up to the last row.
+are checked too, up to the last row; there site B also runs with its gate table in fp32 and its other
+tables in bf16 (the warming reads the gate row with a load of its own, lines of its own width).
 """
 
 import dataclasses
@@ -34,14 +35,18 @@ def warming_next_row(choose):
                                                                     prefetch_ahead=1)
 
 
-for choose in [c for base in (shipped, picked_for(FEW_ROWS), picked_for(None)) for c in (base, warming_next_row(base))]:
-    with launch_config_answering(choose):
-        for hidden in (1, 31, 64, 101, 200, 5376):
-            for tokens in (1, 3, 257):
-                for site in ("A", "B", "C"):
-                    for policy in ("bf16", "fp32"):
-                        inputs = make_inputs(site, tokens, hidden, table_rows=3, seed=tokens)
-                        inputs["index"][-1] = 2  # the last row reads the last table row
-                        fused_site(site, policy)(**inputs)
+for base in (shipped, picked_for(FEW_ROWS), picked_for(None)):
+    for choose, gate_dtypes in ((base, (None,)), (warming_next_row(base), (None, torch.float32))):
+        with launch_config_answering(choose):
+            for hidden in (1, 31, 64, 101, 200, 5376):
+                for tokens in (1, 3, 257):
+                    for site in ("A", "B", "C"):
+                        for gate_dtype in gate_dtypes if site == "B" else (None,):
+                            for policy in ("bf16", "fp32"):
+                                inputs = make_inputs(site, tokens, hidden, table_rows=3, seed=tokens)
+                                inputs["index"][-1] = 2  # the last row reads the last table row
+                                if gate_dtype is not None:
+                                    inputs["gate"] = inputs["gate"].to(gate_dtype)
+                                fused_site(site, policy)(**inputs)
 torch.cuda.synchronize()
 print("sanitize: all launches done")

@@ -137,6 +137,17 @@ def _rsqrt(v, PORTABLE: tl.constexpr):
 
 
 @triton.jit
+def _touch_sectors(row_ptrs, line, quarter, selected, valid, HIDDEN: tl.constexpr):
+    """One element of quarter ``quarter`` (a 32-byte sector) of 128-byte line ``line`` (taken modulo the
+    row's lines) of each table row ``row_ptrs`` points to, where ``selected`` and ``valid``: a
+    ``volatile`` load whose result is unused. The line's width in elements follows the table's dtype."""
+    per_line: tl.constexpr = 1024 // row_ptrs.dtype.element_ty.primitive_bitwidth
+    lines_per_row: tl.constexpr = (HIDDEN + per_line - 1) // per_line
+    col = (line % lines_per_row) * per_line + quarter * (per_line // 4)
+    tl.load(row_ptrs + col, mask=selected & (col < HIDDEN) & valid, volatile=True)
+
+
+@triton.jit
 def _touch_coming_table_rows(idx_ptr, shift_ptr, scale_ptr, gate_ptr, n_rows, num_table_rows, stride_shift,
                              stride_scale, stride_gate, HIDDEN: tl.constexpr, HAS_GATE: tl.constexpr,
                              BLOCK_T: tl.constexpr, AHEAD: tl.constexpr, LANES: tl.constexpr):
@@ -144,15 +155,14 @@ def _touch_coming_table_rows(idx_ptr, shift_ptr, scale_ptr, gate_ptr, n_rows, nu
     (``GROUP = LANES // 16``, at least 1) reads ``k = index[its first row + AHEAD]`` and then, one lane
     each, one element of every 32-byte sector of ``GROUP`` consecutive lines, from line ``program_id mod
     lines-per-row`` on, of ``shift[k]``, ``scale[k]`` and (site B) ``gate[k]``: between them the
-    programs cover whole rows.
+    programs cover whole rows. ``shift`` and ``scale`` share a dtype; ``gate``, whose dtype may differ,
+    has a load of its own.
     Where the index comes in runs, the programs ``AHEAD`` rows before a run's start bring its new table
     rows from DRAM; elsewhere the sectors are already in L2. The loads are ``volatile`` (their results
     are unused, and the compiler keeps them) and plain, which Inductor's analysis of the kernel
     understands, unlike inline assembly such as ``prefetch``. An index out of range, or past the last
     row, reads nothing. Changes no result."""
     GROUP: tl.constexpr = LANES // 16 if LANES >= 16 else 1
-    per_line: tl.constexpr = 1024 // shift_ptr.dtype.element_ty.primitive_bitwidth
-    lines_per_row: tl.constexpr = (HIDDEN + per_line - 1) // per_line
     program = tl.program_id(0).to(tl.int64)  # int64 throughout: no int32 overflow checks under debug=True
     if program % GROUP == 0:
         lane = tl.arange(0, LANES).to(tl.int64)
@@ -161,13 +171,11 @@ def _touch_coming_table_rows(idx_ptr, shift_ptr, scale_ptr, gate_ptr, n_rows, nu
         valid = (k >= 0) & (k < num_table_rows)
         k = tl.where(valid, k, 0)
         which = lane // (4 * GROUP)
-        line = (program + (lane // 4) % GROUP) % lines_per_row
-        col = line * per_line + (lane % 4) * (per_line // 4)
-        table = tl.where(which == 0, shift_ptr + k * stride_shift, scale_ptr + k * stride_scale)
+        line = program + (lane // 4) % GROUP
+        modulation = tl.where(which == 0, shift_ptr + k * stride_shift, scale_ptr + k * stride_scale)
+        _touch_sectors(modulation, line, lane % 4, which < 2, valid, HIDDEN)
         if HAS_GATE:
-            table = tl.where(which == 2, gate_ptr + k * stride_gate, table)
-        tables: tl.constexpr = 3 if HAS_GATE else 2
-        tl.load(table + col, mask=(which < tables) & (col < HIDDEN) & valid, volatile=True)
+            _touch_sectors(gate_ptr + k * stride_gate, line, lane % 4, which == 2, valid, HIDDEN)
 
 
 @triton.jit

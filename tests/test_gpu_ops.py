@@ -157,3 +157,23 @@ def test_dynamic_shapes_compile_once_across_the_few_rows_threshold(site, thresho
         for tokens in (bound // 2, bound + 1):
             inputs = make_inputs(site, tokens, seed=tokens)
             _assert_bf16_policy_matches_eager(site, compiled(**inputs), eager_site(site)(**inputs))
+
+
+@pytest.mark.parametrize("tokens", [3072, 15808])
+@pytest.mark.parametrize("gate_dtype, table_dtype", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)])
+def test_gate_table_of_another_dtype_than_shift_and_scale(gate_dtype, table_dtype, tokens):
+    """Site B's builds for few and for many rows, with the gate table in another dtype than shift and scale
+    (the warming of coming table rows reads the gate row with a load of its own): the residual bit for bit
+    the op's reference (pure torch, on the GPU), `y` up to the norm's sum order."""
+    from h3_fused.kernels import gate_norm_modulate
+    from h3_fused.kernels.contract import check_args
+    from h3_fused.kernels.reference import reference_modulation
+
+    inputs = make_inputs("B", tokens, seed=7)
+    inputs["gate"] = inputs["gate"].to(gate_dtype)
+    inputs["shift"], inputs["scale"] = inputs["shift"].to(table_dtype), inputs["scale"].to(table_dtype)
+    for policy in ("bf16", "fp32"):
+        u, y = gate_norm_modulate(**inputs, policy=policy)
+        ref_u, ref_y = reference_modulation(check_args(**inputs, policy=policy, has_norm=True))
+        assert torch.equal(u, ref_u), policy
+        assert _diff(y, ref_y) <= 1e-4, policy

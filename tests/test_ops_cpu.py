@@ -358,6 +358,35 @@ def test_rows_read_in_chunks_under_the_interpreter():
     assert "chunked rows OK" in run_interpreted(CHUNKED)
 
 
+MIXED_TABLES = SITE_INPUTS + r"""
+from h3_fused.kernels import gate_norm_modulate
+from h3_fused.kernels.contract import check_args
+from h3_fused.kernels.reference import reference_modulation
+torch.manual_seed(4)
+# site B whose gate table has another dtype than shift and scale (each program's warming of the coming
+# table rows reads the gate row with a load of its own), at H = 64 and 200, both policies
+for hidden, tokens in ((64, 70), (200, 33)):
+    x, br, w, t, idx = site_inputs(tokens, hidden)
+    for gate_dtype, table_dtype in ((torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)):
+        gate, shift, scale = t[2].to(gate_dtype), t[0].to(table_dtype), t[1].to(table_dtype)
+        for policy in ("bf16", "fp32"):
+            kw = dict(eps=1e-5, policy=policy)
+            u, y = gate_norm_modulate(x, gate, br, w, shift, scale, idx, **kw)
+            ur, yr = reference_modulation(check_args(residual=x, branch=br, gate=gate, weight=w, shift=shift,
+                                                     scale=scale, index=idx, has_norm=True, **kw))
+            assert torch.equal(u, ur), (hidden, gate_dtype, policy)
+            assert (y != yr).float().mean() <= 1e-3, (hidden, gate_dtype, policy)
+            torch.testing.assert_close(y, yr)
+print("mixed tables OK")
+"""
+
+
+def test_gate_table_of_another_dtype_than_shift_and_scale_under_the_interpreter():
+    """Site B with an fp32 gate table and bf16 shift and scale tables, and the reverse: the kernel (its
+    warming of coming table rows included) compiles and gives the reference's residual bit for bit."""
+    assert "mixed tables OK" in run_interpreted(MIXED_TABLES)
+
+
 WARMED = SITE_INPUTS + r"""
 import dataclasses
 from h3_fused.kernels import gate_norm_modulate, gate_residual, norm_modulate
