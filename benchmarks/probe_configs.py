@@ -4,6 +4,8 @@ layout, median of ``--rounds`` alternating rounds of device time after an L2 flu
 also says whether every configuration of its policy left bit-identical outputs, ``sites.calls_agree``):
 
 - ``shipped``: what ``launch_config`` picks for the site at ``T`` rows;
+- ``shipped_warm_tables``: the same, with warming programs ahead of the programs of rows that bring
+  every table row into L2 (``LaunchConfig.warm_tables``);
 - ``w2_ahead`` / ``w4_ahead`` / ``w8_ahead``: one row per program on 2 / 4 / 8 warps, chunks of one
   16-byte vector per thread, the table rows loaded ahead (``tables_ahead``), the shipped warming of
   coming table rows;
@@ -24,6 +26,7 @@ also says whether every configuration of its policy left bit-identical outputs, 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 
@@ -48,6 +51,7 @@ def configurations(site: str, tokens: int, hidden: int) -> dict:
     from h3_fused.kernels.triton_modulation import LaunchConfig
 
     named = {"shipped": shipped_launch_config(site, hidden, tokens)}
+    named["shipped_warm_tables"] = dataclasses.replace(named["shipped"], warm_tables=True)
     for warps in (2, 4, 8):
         for ahead in (False, True):
             named[f"w{warps}" + ("_ahead" if ahead else "")] = LaunchConfig(1, 32 * warps * 8, warps, ahead)

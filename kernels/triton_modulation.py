@@ -148,11 +148,12 @@ def _touch_sectors(row_ptrs, line, quarter, selected, valid, HIDDEN: tl.constexp
 
 
 @triton.jit
-def _touch_coming_table_rows(idx_ptr, shift_ptr, scale_ptr, gate_ptr, n_rows, num_table_rows, stride_shift,
-                             stride_scale, stride_gate, HIDDEN: tl.constexpr, HAS_GATE: tl.constexpr,
+def _touch_coming_table_rows(program, idx_ptr, shift_ptr, scale_ptr, gate_ptr, n_rows, num_table_rows,
+                             stride_shift, stride_scale, stride_gate, HIDDEN: tl.constexpr, HAS_GATE: tl.constexpr,
                              BLOCK_T: tl.constexpr, AHEAD: tl.constexpr, LANES: tl.constexpr):
     """Warms L2 with the table rows the kernel will read ``AHEAD`` rows on. Every ``GROUP``-th program
-    (``GROUP = LANES // 16``, at least 1) reads ``k = index[its first row + AHEAD]`` and then, one lane
+    (``program``, counting the programs of rows, int64; ``GROUP = LANES // 16``, at least 1) reads
+    ``k = index[its first row + AHEAD]`` and then, one lane
     each, one element of every 32-byte sector of ``GROUP`` consecutive lines, from line ``program_id mod
     lines-per-row`` on, of ``shift[k]``, ``scale[k]`` and (site B) ``gate[k]``: between them the
     programs cover whole rows. ``shift`` and ``scale`` share a dtype; ``gate``, whose dtype may differ,
@@ -163,7 +164,6 @@ def _touch_coming_table_rows(idx_ptr, shift_ptr, scale_ptr, gate_ptr, n_rows, nu
     understands, unlike inline assembly such as ``prefetch``. An index out of range, or past the last
     row, reads nothing. Changes no result."""
     GROUP: tl.constexpr = LANES // 16 if LANES >= 16 else 1
-    program = tl.program_id(0).to(tl.int64)  # int64 throughout: no int32 overflow checks under debug=True
     if program % GROUP == 0:
         lane = tl.arange(0, LANES).to(tl.int64)
         coming_row = program * BLOCK_T + AHEAD + 0 * lane  # every lane reads it: one request per warp
@@ -285,9 +285,54 @@ def _modulated(
     return _rounded(y, act, PORTABLE).to(act)
 
 
-@triton.jit(debug=True)
-def modulation_kernel(
-    x_ptr, res_ptr, branch_ptr, gate_ptr, w_ptr, shift_ptr, scale_ptr, idx_ptr, u_ptr, y_ptr,
+@triton.jit
+def _touch_table_rows(program, w_ptr, shift_ptr, scale_ptr, gate_ptr, num_table_rows, stride_shift, stride_scale,
+                      stride_gate, HIDDEN: tl.constexpr, HAS_GATE: tl.constexpr, HAS_NORM: tl.constexpr,
+                      HAS_WEIGHT: tl.constexpr, LANES: tl.constexpr):
+    """Warming program ``program`` (int64) of the kernel's first ones (``WARM_TABLES``): one element of each
+    of ``LANES`` consecutive 32-byte sectors, one per lane, of every table row the site reads, taken in
+    order (the rows of ``shift`` and ``scale``, of ``gate``, then the weight), read with ``volatile`` loads
+    whose results are unused. Between them the warming programs cover every row, so that the rows arrive
+    in L2 ahead of the activations the programs of rows request after them, instead of behind them.
+    Changes no result."""
+    sector = program * LANES + tl.arange(0, LANES).to(tl.int64)
+    table_rows = num_table_rows.to(tl.int64)
+    rest = sector
+    if HAS_NORM:  # shift and scale share a dtype
+        per_sector: tl.constexpr = 256 // shift_ptr.dtype.element_ty.primitive_bitwidth
+        row_sectors: tl.constexpr = (HIDDEN + per_sector - 1) // per_sector
+        row = rest // row_sectors
+        table = tl.where(row < table_rows, shift_ptr + row * stride_shift, scale_ptr + (row - table_rows) * stride_scale)
+        tl.load(table + (rest % row_sectors) * per_sector, mask=row < 2 * table_rows, volatile=True)
+        rest -= 2 * table_rows * row_sectors
+    if HAS_GATE:
+        gate_per_sector: tl.constexpr = 256 // gate_ptr.dtype.element_ty.primitive_bitwidth
+        gate_row_sectors: tl.constexpr = (HIDDEN + gate_per_sector - 1) // gate_per_sector
+        row = rest // gate_row_sectors
+        tl.load(gate_ptr + row * stride_gate + (rest % gate_row_sectors) * gate_per_sector,
+                mask=(rest >= 0) & (row < table_rows), volatile=True)
+        rest -= table_rows * gate_row_sectors
+    if HAS_WEIGHT:
+        w_per_sector: tl.constexpr = 256 // w_ptr.dtype.element_ty.primitive_bitwidth
+        tl.load(w_ptr + rest * w_per_sector, mask=(rest >= 0) & (rest * w_per_sector < HIDDEN), volatile=True)
+
+
+def warming_programs(num_table_rows: int, hidden: int, table_itemsize: int, gate_itemsize: int | None,
+                     weight_itemsize: int | None, lanes: int) -> int:
+    """How many programs ``_touch_table_rows`` needs to cover every table row and the weight (``None``: the
+    site has no such table), ``lanes`` sectors each."""
+    def sectors(itemsize):
+        return triton.cdiv(hidden, 32 // itemsize)
+
+    total = 2 * num_table_rows * sectors(table_itemsize) if table_itemsize else 0
+    total += num_table_rows * sectors(gate_itemsize) if gate_itemsize else 0
+    total += sectors(weight_itemsize) if weight_itemsize else 0
+    return triton.cdiv(total, lanes)
+
+
+@triton.jit
+def _modulate_rows(
+    program, x_ptr, res_ptr, branch_ptr, gate_ptr, w_ptr, shift_ptr, scale_ptr, idx_ptr, u_ptr, y_ptr,
     n_rows, num_table_rows, eps,
     stride_x, stride_res, stride_branch, stride_gate, stride_shift, stride_scale,
     HIDDEN: tl.constexpr, HAS_GATE: tl.constexpr, HAS_NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr,
@@ -295,7 +340,8 @@ def modulation_kernel(
     ROUND_AFFINE: tl.constexpr, FUSE_MULTIPLY_ADD: tl.constexpr, PORTABLE: tl.constexpr, BLOCK_T: tl.constexpr,
     CHUNK: tl.constexpr, TABLES_AHEAD: tl.constexpr, AHEAD: tl.constexpr,
 ):
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    """The rows of program ``program`` (int64), counting the programs of rows."""
+    rows = program * BLOCK_T + tl.arange(0, BLOCK_T)
     row_ok = rows < n_rows
     idx = tl.load(idx_ptr + rows, mask=row_ok, other=0).to(tl.int64)
     bad = row_ok & ((idx < 0) | (idx >= num_table_rows))
@@ -344,8 +390,39 @@ def modulation_kernel(
                            ROUND_NORM_BEFORE_WEIGHT, ROUND_AFFINE, FUSE_MULTIPLY_ADD, PORTABLE, TABLES_AHEAD)
             tl.store(y_ptr + rows[:, None] * HIDDEN + c * CHUNK + lanes[None, :], y, mask=mask)
     if AHEAD > 0 and HAS_NORM:  # last: no register of the row is live any more
-        _touch_coming_table_rows(idx_ptr, shift_ptr, scale_ptr, gate_ptr, n_rows, num_table_rows, stride_shift,
-                                 stride_scale, stride_gate, HIDDEN, HAS_GATE, BLOCK_T, AHEAD, BLOCK_T * CHUNK // 8)
+        _touch_coming_table_rows(program, idx_ptr, shift_ptr, scale_ptr, gate_ptr, n_rows, num_table_rows,
+                                 stride_shift, stride_scale, stride_gate, HIDDEN, HAS_GATE, BLOCK_T, AHEAD,
+                                 BLOCK_T * CHUNK // 8)
+
+
+@triton.jit(debug=True)
+def modulation_kernel(
+    x_ptr, res_ptr, branch_ptr, gate_ptr, w_ptr, shift_ptr, scale_ptr, idx_ptr, u_ptr, y_ptr,
+    n_rows, num_table_rows, eps,
+    stride_x, stride_res, stride_branch, stride_gate, stride_shift, stride_scale,
+    HIDDEN: tl.constexpr, HAS_GATE: tl.constexpr, HAS_NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+    ROUND_GATE: tl.constexpr, ROUND_NORM: tl.constexpr, ROUND_NORM_BEFORE_WEIGHT: tl.constexpr,
+    ROUND_AFFINE: tl.constexpr, FUSE_MULTIPLY_ADD: tl.constexpr, PORTABLE: tl.constexpr, BLOCK_T: tl.constexpr,
+    CHUNK: tl.constexpr, TABLES_AHEAD: tl.constexpr, AHEAD: tl.constexpr, WARM_TABLES: tl.constexpr,
+):
+    program = tl.program_id(0).to(tl.int64)  # int64 throughout: no int32 overflow checks under debug=True
+    if WARM_TABLES:  # the programs beyond the rows' come first (``warming_programs``)
+        warming = tl.num_programs(0).to(tl.int64) - (n_rows.to(tl.int64) + BLOCK_T - 1) // BLOCK_T
+        if program < warming:
+            _touch_table_rows(program, w_ptr, shift_ptr, scale_ptr, gate_ptr, num_table_rows, stride_shift,
+                              stride_scale, stride_gate, HIDDEN, HAS_GATE, HAS_NORM, HAS_WEIGHT, BLOCK_T * CHUNK // 8)
+        else:
+            _modulate_rows(program - warming, x_ptr, res_ptr, branch_ptr, gate_ptr, w_ptr, shift_ptr, scale_ptr,
+                           idx_ptr, u_ptr, y_ptr, n_rows, num_table_rows, eps, stride_x, stride_res, stride_branch,
+                           stride_gate, stride_shift, stride_scale, HIDDEN, HAS_GATE, HAS_NORM, HAS_WEIGHT,
+                           ROUND_GATE, ROUND_NORM, ROUND_NORM_BEFORE_WEIGHT, ROUND_AFFINE, FUSE_MULTIPLY_ADD,
+                           PORTABLE, BLOCK_T, CHUNK, TABLES_AHEAD, AHEAD)
+    else:
+        _modulate_rows(program, x_ptr, res_ptr, branch_ptr, gate_ptr, w_ptr, shift_ptr, scale_ptr, idx_ptr, u_ptr,
+                       y_ptr, n_rows, num_table_rows, eps, stride_x, stride_res, stride_branch, stride_gate,
+                       stride_shift, stride_scale, HIDDEN, HAS_GATE, HAS_NORM, HAS_WEIGHT, ROUND_GATE, ROUND_NORM,
+                       ROUND_NORM_BEFORE_WEIGHT, ROUND_AFFINE, FUSE_MULTIPLY_ADD, PORTABLE, BLOCK_T, CHUNK,
+                       TABLES_AHEAD, AHEAD)
 
 
 @dataclass(frozen=True)
@@ -360,6 +437,7 @@ class LaunchConfig:
     num_warps: int
     tables_ahead: bool = False
     prefetch_ahead: int = 1024
+    warm_tables: bool = False
 
 
 def launch_config(hidden: int, has_gate: bool, has_norm: bool, rows: int | None) -> LaunchConfig:
@@ -416,7 +494,7 @@ def specialisation(hidden: int, has_gate: bool, has_norm: bool, has_weight: bool
         ROUND_NORM_BEFORE_WEIGHT=rounding.norm_before_weight, ROUND_AFFINE=rounding.affine,
         FUSE_MULTIPLY_ADD=rounding.fused_multiply_add, PORTABLE=portable, BLOCK_T=config.block_t, CHUNK=config.chunk,
         TABLES_AHEAD=config.tables_ahead and has_norm,  # no tables without a norm: one build of site C
-        AHEAD=config.prefetch_ahead,
+        AHEAD=config.prefetch_ahead, WARM_TABLES=config.warm_tables,
     )
 
 
@@ -442,7 +520,13 @@ def launch_modulation(a: ModulationArgs, u: torch.Tensor | None, y: torch.Tensor
 
     x, res, branch = rows_or_alias(a.x), rows_or_alias(a.residual), rows_or_alias(a.branch)
     gate, shift, scale = table_or_alias(a.gate), table_or_alias(a.shift), table_or_alias(a.scale)
-    return wrap(modulation_kernel)[(triton.cdiv(a.rows, config.block_t),)](
+    warming = 0
+    if config.warm_tables:
+        warming = warming_programs(a.num_table_rows, a.hidden, a.shift.element_size() if a.shift is not None else None,
+                                   a.gate.element_size() if a.gate is not None else None,
+                                   a.weight.element_size() if a.weight is not None else None,
+                                   config.block_t * config.chunk // 8)
+    return wrap(modulation_kernel)[(triton.cdiv(a.rows, config.block_t) + warming,)](
         x, res, branch, gate, table_or_alias(a.weight), shift, scale, a.index,
         y if u is None else u, u if y is None else y,
         a.rows, a.num_table_rows, a.eps,
