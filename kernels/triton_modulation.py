@@ -19,7 +19,9 @@ chunk's weight, ``scale[i]`` and ``shift[i]`` are loaded just before their use, 
 the order changes no result (``launch_config`` says why these sizes and orders). After its stores, every
 few programs warm L2 with the table rows of the row ``AHEAD`` rows on (``_touch_coming_table_rows``):
 where the index comes in runs, as in the model, the programs that start a new run find its table rows
-in L2 instead of waiting on DRAM.
+in L2 instead of waiting on DRAM. Under ``WARM_TABLES`` the kernel's first programs hold no rows: they
+bring every table row into L2 (``_touch_table_rows``), ahead of the activations the programs of rows
+request after them.
 
 Multiplies feeding an add are never contracted into an FMA (which would remove the fp32 rounding
 eager performs), except under the ``fp32`` policy (``FUSE_MULTIPLY_ADD``), where ``q + shift`` is one
@@ -53,6 +55,7 @@ FEW_ROWS = 6144  # up to this many rows site B runs on 8 warps
 SITE_A_NARROW_H = 2048  # up to this H site A loads its table rows ahead only up to SITE_A_FEW_ROWS rows
 SITE_A_FEW_ROWS = 16384
 MIN_WARPS = 4  # the fewest warps a program runs on (``launch_config``)
+WARM_TABLES_MAX_BYTES = 4 << 20  # tables larger than this are not warmed as the kernel starts (``warming_programs``)
 
 
 @triton.jit
@@ -317,17 +320,17 @@ def _touch_table_rows(program, w_ptr, shift_ptr, scale_ptr, gate_ptr, num_table_
         tl.load(w_ptr + rest * w_per_sector, mask=(rest >= 0) & (rest * w_per_sector < HIDDEN), volatile=True)
 
 
-def warming_programs(num_table_rows: int, hidden: int, table_itemsize: int, gate_itemsize: int | None,
-                     weight_itemsize: int | None, lanes: int) -> int:
-    """How many programs ``_touch_table_rows`` needs to cover every table row and the weight (``None``: the
-    site has no such table), ``lanes`` sectors each."""
-    def sectors(itemsize):
-        return triton.cdiv(hidden, 32 // itemsize)
-
-    total = 2 * num_table_rows * sectors(table_itemsize) if table_itemsize else 0
-    total += num_table_rows * sectors(gate_itemsize) if gate_itemsize else 0
-    total += sectors(weight_itemsize) if weight_itemsize else 0
-    return triton.cdiv(total, lanes)
+def warming_programs(a: ModulationArgs, lanes: int) -> int:
+    """How many warming programs (``_touch_table_rows``, ``lanes`` 32-byte sectors each) cover every table
+    row the site reads and the weight; none where the tables' row count is symbolic, or where the tables
+    hold more than ``WARM_TABLES_MAX_BYTES`` (warming them would hold the rows' loads back longer than the
+    first programs wait for their table rows)."""
+    if not isinstance(a.num_table_rows, int):
+        return 0
+    rows = [(t, a.num_table_rows) for t in (a.shift, a.scale, a.gate) if t is not None] + [(a.weight, 1)] * (
+        a.weight is not None)
+    sectors = sum(count * triton.cdiv(a.hidden * t.element_size(), 32) for t, count in rows)
+    return 0 if 32 * sectors > WARM_TABLES_MAX_BYTES else triton.cdiv(sectors, lanes)
 
 
 @triton.jit
@@ -430,7 +433,8 @@ class LaunchConfig:
     """``BLOCK_T`` rows per program, each read in chunks of ``CHUNK`` columns, on ``num_warps`` warps;
     ``tables_ahead``: the norm's table rows loaded ahead of their use (``launch_config``);
     ``prefetch_ahead``: how many rows ahead the kernel warms L2 with the table rows it will read (0: it
-    does not; ``_touch_coming_table_rows``)."""
+    does not; ``_touch_coming_table_rows``); ``warm_tables``: warming programs ahead of the programs of rows
+    bring every table row into L2 as the kernel starts (``_touch_table_rows``, ``warming_programs``)."""
 
     block_t: int
     chunk: int
@@ -452,6 +456,8 @@ def launch_config(hidden: int, has_gate: bool, has_norm: bool, rows: int | None)
       more registers, fewer programs per SM) by site B always; by site A from H = 2,049 on always, and up
       to ``SITE_A_NARROW_H`` = 2,048 for up to ``SITE_A_FEW_ROWS`` rows, each just before its use beyond.
     - ``prefetch_ahead``: the table rows of the row 1,024 rows on warmed in L2 (``_touch_coming_table_rows``).
+    - ``warm_tables``: for site A, warming programs ahead of the programs of rows bring every table row
+      into L2 as the kernel starts (``_touch_table_rows``).
 
     ``rows`` is the row count, or None where it is symbolic (a graph compiled for dynamic shapes): the
     many-rows choice, without a guard on the count.
@@ -464,7 +470,8 @@ def launch_config(hidden: int, has_gate: bool, has_norm: bool, rows: int | None)
     faster with the model's index in runs and between 3.9% faster and 0.8% slower with the uniform one,
     at H = 2,048 1.2-4.1% slower, so that there ``SITE_A_FEW_ROWS`` stays, which runs 44-71 had placed
     between 15,808 and 20,000 rows; the warming distance in run 38; ``MIN_WARPS`` in runs
-    59-61 ("The launch rule below H = 5,376"). Measured there and slower: 1, 2 and 16 warps, the row
+    59-61 ("The launch rule below H = 5,376"); ``warm_tables`` in runs 93-95 ("Warming the tables as the
+    kernel starts": site A 0.5-3.9% faster at T <= 15,808, B within 0.5% either way, C 1-2% slower). Measured there and slower: 1, 2 and 16 warps, the row
     as one padded block, two rows per program, programs looping over rows, every table row loaded with
     the activations, the table rows prefetched or touched first or warmed into L1, capped registers,
     cache hints, and persistent programs pipelined through shared memory.
@@ -482,7 +489,7 @@ def launch_config(hidden: int, has_gate: bool, has_norm: bool, rows: int | None)
     num_warps = max(MIN_WARPS, min(16, block_t * padded // (32 * per_thread)))
     chunk = min(padded, max(1, 32 * num_warps * 8 // block_t))  # the quotient is 0 at H = 1
     tables_ahead = has_norm and (has_gate or hidden > SITE_A_NARROW_H or at_most(SITE_A_FEW_ROWS))
-    return LaunchConfig(block_t, chunk, num_warps, tables_ahead)
+    return LaunchConfig(block_t, chunk, num_warps, tables_ahead, warm_tables=has_norm and not has_gate)
 
 
 def specialisation(hidden: int, has_gate: bool, has_norm: bool, has_weight: bool, rounding: Rounding,
@@ -520,12 +527,7 @@ def launch_modulation(a: ModulationArgs, u: torch.Tensor | None, y: torch.Tensor
 
     x, res, branch = rows_or_alias(a.x), rows_or_alias(a.residual), rows_or_alias(a.branch)
     gate, shift, scale = table_or_alias(a.gate), table_or_alias(a.shift), table_or_alias(a.scale)
-    warming = 0
-    if config.warm_tables:
-        warming = warming_programs(a.num_table_rows, a.hidden, a.shift.element_size() if a.shift is not None else None,
-                                   a.gate.element_size() if a.gate is not None else None,
-                                   a.weight.element_size() if a.weight is not None else None,
-                                   config.block_t * config.chunk // 8)
+    warming = warming_programs(a, config.block_t * config.chunk // 8) if config.warm_tables else 0
     return wrap(modulation_kernel)[(triton.cdiv(a.rows, config.block_t) + warming,)](
         x, res, branch, gate, table_or_alias(a.weight), shift, scale, a.index,
         y if u is None else u, u if y is None else y,

@@ -394,22 +394,26 @@ from h3_fused.kernels import triton_modulation as tm
 shipped = tm.launch_config
 torch.manual_seed(2)
 # the warming of coming table rows (prefetch_ahead) reads index rows and table sectors ahead of the
-# programs that use them: 1, 2 and 7 rows ahead (within and past the last row) against none
+# programs that use them: 1, 2 and 7 rows ahead (within and past the last row) against none; and the
+# warming programs ahead of the programs of rows (warm_tables) read every table row, with a weight and
+# without one, every site
 for hidden, tokens in ((64, 70), (101, 9), (200, 33)):
     x, br, w, t, idx = site_inputs(tokens, hidden)
     outputs = {}
-    for ahead in (0, 1, 2, 7):
-        tm.launch_config = lambda h, g, n, rows: dataclasses.replace(shipped(h, g, n, rows), prefetch_ahead=ahead)
+    for ahead, warm in ((0, False), (1, False), (2, False), (7, False), (0, True), (1, True)):
+        tm.launch_config = lambda h, g, n, rows: dataclasses.replace(shipped(h, g, n, rows), prefetch_ahead=ahead,
+                                                                     warm_tables=warm)
         for policy in ("bf16", "fp32"):
             kw = dict(eps=1e-5, policy=policy)
-            outputs[ahead, policy] = (gate_norm_modulate(x, t[2], br, w, t[0], t[1], idx, **kw),
-                                      norm_modulate(x, w, t[0], t[1], idx, **kw),
-                                      gate_residual(x, t[2], br, idx, policy=policy))
-    for (ahead, policy), got in outputs.items():
-        (u, y), y_a, u_c = got
-        (u0, y0), y_a0, u_c0 = outputs[0, policy]
-        assert torch.equal(u, u0) and torch.equal(y, y0) and torch.equal(y_a, y_a0) and torch.equal(u_c, u_c0), (
-            hidden, tokens, ahead, policy)
+            outputs[ahead, warm, policy] = (gate_norm_modulate(x, t[2], br, w, t[0], t[1], idx, **kw),
+                                            norm_modulate(x, w, t[0], t[1], idx, **kw),
+                                            norm_modulate(x, None, t[0], t[1], idx, **kw),
+                                            gate_residual(x, t[2], br, idx, policy=policy))
+    for (ahead, warm, policy), got in outputs.items():
+        (u, y), *rest = got
+        (u0, y0), *rest0 = outputs[0, False, policy]
+        assert torch.equal(u, u0) and torch.equal(y, y0) and all(map(torch.equal, rest, rest0)), (
+            hidden, tokens, ahead, warm, policy)
 print("warmed rows OK")
 """
 
@@ -417,7 +421,8 @@ print("warmed rows OK")
 def test_warming_coming_table_rows_changes_no_result_under_the_interpreter():
     """``LaunchConfig.prefetch_ahead``: the kernel's reads of coming index rows and table sectors, from
     one row ahead to past the last row (the small-H builds have 64 lanes: every fourth program warms the
-    lines of four), leave every output of every site and policy bit-identical to the build without them."""
+    lines of four), and ``warm_tables``, its warming programs, leave every output of every site and policy
+    bit-identical to the build without them."""
     assert "warmed rows OK" in run_interpreted(WARMED)
 
 
@@ -456,7 +461,7 @@ def test_launch_config_never_runs_on_fewer_than_min_warps(hidden, site, rows):
 def test_launch_config_loads_table_rows_ahead_for_site_b_and_site_a_but_many_narrow_rows(hidden):
     """Site B always loads its table rows ahead; site A too, except at H up to ``SITE_A_NARROW_H`` beyond
     ``SITE_A_FEW_ROWS`` rows or where the count is symbolic; site C has no table rows of a norm; every
-    build warms the coming table rows 1,024 rows ahead."""
+    build warms the coming table rows 1,024 rows ahead, and site A's also every table row as it starts."""
     from h3_fused.kernels.triton_modulation import FEWEST_ROWS, SITE_A_FEW_ROWS, SITE_A_NARROW_H, launch_config
 
     counts = (1, FEWEST_ROWS, FEWEST_ROWS + 1, SITE_A_FEW_ROWS, SITE_A_FEW_ROWS + 1, None)
@@ -465,3 +470,30 @@ def test_launch_config_loads_table_rows_ahead_for_site_b_and_site_a_but_many_nar
     site_a = [True] * 4 + [hidden > SITE_A_NARROW_H] * 2
     assert ahead == {(False, True): site_a, (True, True): [True] * 6, (True, False): [False] * 6}
     assert {launch_config(hidden, g, n, rows).prefetch_ahead for g, n in ahead for rows in counts} == {1024}
+    warm = {(g, n): {launch_config(hidden, g, n, rows).warm_tables for rows in counts} for g, n in ahead}
+    assert warm == {(False, True): {True}, (True, True): {False}, (True, False): {False}}
+
+
+@pytest.mark.parametrize("gate_dtype, table_dtype", [(bf16, bf16), (f32, bf16), (bf16, f32)])
+def test_warming_programs_cover_every_table_row_and_the_weight(gate_dtype, table_dtype):
+    """``warming_programs``: enough programs of ``lanes`` 32-byte sectors for every row of each table the
+    site reads, in its own dtype, and the (bf16) weight; none for tables over ``WARM_TABLES_MAX_BYTES``."""
+    from h3_fused.kernels.contract import check_args
+    from h3_fused.kernels.triton_modulation import WARM_TABLES_MAX_BYTES, warming_programs
+
+    t = make(tokens=4, hidden=5376, rows=6, table_dtype=table_dtype)
+    gate = t["gate"].to(gate_dtype)
+    row_sectors = {bf16: 5376 * 2 // 32, f32: 5376 * 4 // 32}
+    a = check_args(x=t["x"], weight=t["weight"], shift=t["shift"], scale=t["scale"], index=t["index"], eps=1e-5,
+                   policy="bf16", has_norm=True)
+    assert warming_programs(a, 128) == math.ceil((2 * 6 * row_sectors[table_dtype] + row_sectors[bf16]) / 128)
+    b = check_args(residual=t["x"], gate=gate, branch=t["branch"], weight=t["weight"], shift=t["shift"],
+                   scale=t["scale"], index=t["index"], eps=1e-5, policy="bf16", has_norm=True)
+    sectors = 6 * (2 * row_sectors[table_dtype] + row_sectors[gate_dtype]) + row_sectors[bf16]
+    assert warming_programs(b, 256) == math.ceil(sectors / 256)
+    c = check_args(residual=t["x"], gate=gate, branch=t["branch"], index=t["index"], policy="bf16", has_norm=False)
+    assert warming_programs(c, 256) == math.ceil(6 * row_sectors[gate_dtype] / 256)
+    big = make(tokens=4, hidden=8192, rows=1 + WARM_TABLES_MAX_BYTES // (2 * 8192 * 2))
+    a = check_args(x=big["x"], shift=big["shift"], scale=big["scale"], index=big["index"], eps=1e-5,
+                   policy="bf16", has_norm=True)
+    assert warming_programs(a, 128) == 0
