@@ -36,14 +36,15 @@ SCALARS = dict(n_rows="i32", num_table_rows="i32", eps="fp32", stride_x="i32", s
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 
 
-def compile_site(site: str, policy: str, hidden: int, config=None, index: str = "i64"):
+def compile_site(site: str, policy: str, hidden: int, config=None, index: str = "i64", constants=None):
     """``modulation_kernel`` compiled for sm_90 as the ops launch it (or with ``config``), for an index of
-    Triton type ``index`` (``"i64"`` or ``"i32"``)."""
+    Triton type ``index`` (``"i64"`` or ``"i32"``); ``constants``: scalar arguments made constants, as
+    Triton does with a value of 1 (e.g. ``{"n_rows": 1}``)."""
     gate, norm = site in "BC", site in "AB"
     config = config or shipped_launch_config(site, hidden, None)
     r = rounding_for(policy, torch.bfloat16, torch.bfloat16 if gate else None, torch.bfloat16 if norm else None,
                      norm_rounds_before_weight=False, upcast_tables=False)
-    constants = specialisation(hidden, gate, norm, norm, r, config, portable=False)
+    constants = specialisation(hidden, gate, norm, norm, r, config, portable=False) | (constants or {})
     signature = {name: "*bf16" for name in POINTERS} | {"idx_ptr": f"*{index}"} | SCALARS
     signature |= {name: "constexpr" for name in constants}
     names = modulation_kernel.arg_names

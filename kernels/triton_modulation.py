@@ -299,7 +299,7 @@ def _touch_table_rows(program, w_ptr, shift_ptr, scale_ptr, gate_ptr, num_table_
     in L2 ahead of the activations the programs of rows request after them, instead of behind them.
     Changes no result."""
     sector = program * LANES + tl.arange(0, LANES).to(tl.int64)
-    table_rows = num_table_rows.to(tl.int64)
+    table_rows = num_table_rows + 0 * program  # int64, also where Triton or Inductor made the count a constant
     rest = sector
     if HAS_NORM:  # shift and scale share a dtype
         per_sector: tl.constexpr = 256 // shift_ptr.dtype.element_ty.primitive_bitwidth
@@ -410,7 +410,8 @@ def modulation_kernel(
 ):
     program = tl.program_id(0).to(tl.int64)  # int64 throughout: no int32 overflow checks under debug=True
     if WARM_TABLES:  # the programs beyond the rows' come first (``warming_programs``)
-        warming = tl.num_programs(0).to(tl.int64) - (n_rows.to(tl.int64) + BLOCK_T - 1) // BLOCK_T
+        rows_programs = (n_rows + 0 * program + BLOCK_T - 1) // BLOCK_T  # ``n_rows`` may be a constant: no ``.to``
+        warming = tl.num_programs(0).to(tl.int64) - rows_programs
         if program < warming:
             _touch_table_rows(program, w_ptr, shift_ptr, scale_ptr, gate_ptr, num_table_rows, stride_shift,
                               stride_scale, stride_gate, HIDDEN, HAS_GATE, HAS_NORM, HAS_WEIGHT, BLOCK_T * CHUNK // 8)

@@ -64,3 +64,14 @@ def test_bf16_values_widen_through_their_bits(site, policy, rows):
     assert "cvt.f32.bf16" not in ptx
     if site != "C":
         assert re.search(r"and\.b32\s+%r\d+, %r\d+, -65536;", ptx), "expected the high halves widened by a mask"
+
+
+@ROW_COUNTS
+@pytest.mark.parametrize("site", ["A", "B", "C"])
+def test_every_build_compiles_with_the_counts_as_constants(site, rows):
+    """The row and table-row counts may arrive as constants: Triton makes an argument of value 1 one (a
+    single row, or a single table row), and Inductor's analysis of the kernel on torch 2.11 passes them so.
+    The kernel must not call tensor methods such as ``.to`` on them (site A's warming programs did: run 95)."""
+    config = shipped_launch_config(site, HIDDEN, rows)
+    for constants in ({"n_rows": 1}, {"num_table_rows": 1}, {"n_rows": 1, "num_table_rows": 1}):
+        assert compile_site(site, "bf16", HIDDEN, config, constants=constants).asm["ptx"]
