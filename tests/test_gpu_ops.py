@@ -81,14 +81,17 @@ def test_nan_and_inf_propagate_as_in_eager(policy):
         assert torch.equal(g[g.isinf()], r[r.isinf()])
 
 
-def test_in_compiled_graph_obeys_the_policy():
-    inputs = make_inputs("B", 15808)
-    ref_u, ref_y = eager_site("B")(**inputs)
-    u, y = torch.compile(fused_site("B", "bf16"))(**inputs)
-    bare_u, bare_y = fused_site("B", "bf16")(**inputs)
-    print(f"y mismatch vs eager: in graph {_diff(y, ref_y):.2e}, bare {_diff(bare_y, ref_y):.2e}; "
-          f"in graph vs bare {_diff(y, bare_y):.2e}")
-    assert torch.equal(u, ref_u) and _diff(y, ref_y) <= 1e-5
+@pytest.mark.parametrize("site", ["A", "B", "C"])
+def test_in_compiled_graph_obeys_the_policy(site):
+    """Each site's op inlined in a compiled graph gives the bare op's outputs, bit for bit, and eager's to
+    the policy (where Inductor's analysis of the kernel fails it assumes every input written, and site A's
+    ``y`` came out wrong: run 95)."""
+    inputs = make_inputs(site, 15808)
+    got = torch.compile(fused_site(site, "bf16"))(**inputs)
+    bare = fused_site(site, "bf16")(**inputs)
+    got, bare = (got, bare) if site == "B" else ((got,), (bare,))
+    assert all(torch.equal(g, b) for g, b in zip(got, bare))
+    _assert_bf16_policy_matches_eager(site, got if site == "B" else got[0], eager_site(site)(**inputs))
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["bare", "in_compiled_graph"])
