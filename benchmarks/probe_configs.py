@@ -5,7 +5,7 @@ also says whether every configuration of its policy left bit-identical outputs, 
 
 - ``shipped``: what ``launch_config`` picks for the site at ``T`` rows;
 - ``shipped_warm_tables``: the same, with warming programs ahead of the programs of rows that bring
-  every table row into L2 (``LaunchConfig.warm_tables``);
+  every table row into L2 (``LaunchConfig.warm_tables``; site A ships with them);
 - ``w2_ahead`` / ``w4_ahead`` / ``w8_ahead``: one row per program on 2 / 4 / 8 warps, chunks of one
   16-byte vector per thread, the table rows loaded ahead (``tables_ahead``), the shipped warming of
   coming table rows;

@@ -472,7 +472,8 @@ def launch_config(hidden: int, has_gate: bool, has_norm: bool, rows: int | None)
     at H = 2,048 1.2-4.1% slower, so that there ``SITE_A_FEW_ROWS`` stays, which runs 44-71 had placed
     between 15,808 and 20,000 rows; the warming distance in run 38; ``MIN_WARPS`` in runs
     59-61 ("The launch rule below H = 5,376"); ``warm_tables`` in runs 93-95 ("Warming the tables as the
-    kernel starts": site A 0.5-3.9% faster at T <= 15,808, B within 0.5% either way, C 1-2% slower). Measured there and slower: 1, 2 and 16 warps, the row
+    kernel starts": site A side by side 0.4-6.9% faster at T = 3,072 and 15,808, H = 2,048-16,384, and
+    0.1-0.2% at 63,232; B within 0.5% either way; C 1-2% slower). Measured there and slower: 1, 2 and 16 warps, the row
     as one padded block, two rows per program, programs looping over rows, every table row loaded with
     the activations, the table rows prefetched or touched first or warmed into L1, capped registers,
     cache hints, and persistent programs pipelined through shared memory.
