@@ -20,7 +20,7 @@ also says whether every configuration of its policy left bit-identical outputs, 
 
     python benchmarks/probe_configs.py [--cases A:2048 A:3072 A:4096] [--policies bf16 fp32]
         [--index uniform runs] [--configs shipped w4_ahead w8] [--maxnreg 64] [--hidden 5376]
-        [--inductor]
+        [--inductor] [--tables-in-l2]
 """
 
 from __future__ import annotations
@@ -83,6 +83,8 @@ def main():
     parser.add_argument("--inductor", action="store_true", help="also Inductor with emulate_precision_casts")
     parser.add_argument("--tables-in-l2", action="store_true", help="also the shipped kernel with the tables in L2")
     args = parser.parse_args()
+    if args.tables_in_l2 and "shipped" not in args.configs:
+        parser.error("--tables-in-l2 times the shipped configuration: keep 'shipped' in --configs")
     names = args.configs + ["shipped_maxnreg"] * (args.maxnreg is not None)
     for case in args.cases:
         site, tokens = case.split(":")
