@@ -409,21 +409,16 @@ def modulation_kernel(
     CHUNK: tl.constexpr, TABLES_AHEAD: tl.constexpr, AHEAD: tl.constexpr, WARM_TABLES: tl.constexpr,
 ):
     program = tl.program_id(0).to(tl.int64)  # int64 throughout: no int32 overflow checks under debug=True
+    warming: tl.constexpr = 0
     if WARM_TABLES:  # the programs beyond the rows' come first (``warming_programs``)
         rows_programs = (n_rows + 0 * program + BLOCK_T - 1) // BLOCK_T  # ``n_rows`` may be a constant: no ``.to``
         warming = tl.num_programs(0).to(tl.int64) - rows_programs
-        if program < warming:
-            _touch_table_rows(program, w_ptr, shift_ptr, scale_ptr, gate_ptr, num_table_rows, stride_shift,
-                              stride_scale, stride_gate, HIDDEN, HAS_GATE, HAS_NORM, HAS_WEIGHT, BLOCK_T * CHUNK // 8)
-        else:
-            _modulate_rows(program - warming, x_ptr, res_ptr, branch_ptr, gate_ptr, w_ptr, shift_ptr, scale_ptr,
-                           idx_ptr, u_ptr, y_ptr, n_rows, num_table_rows, eps, stride_x, stride_res, stride_branch,
-                           stride_gate, stride_shift, stride_scale, HIDDEN, HAS_GATE, HAS_NORM, HAS_WEIGHT,
-                           ROUND_GATE, ROUND_NORM, ROUND_NORM_BEFORE_WEIGHT, ROUND_AFFINE, FUSE_MULTIPLY_ADD,
-                           PORTABLE, BLOCK_T, CHUNK, TABLES_AHEAD, AHEAD)
+    if WARM_TABLES and program < warming:
+        _touch_table_rows(program, w_ptr, shift_ptr, scale_ptr, gate_ptr, num_table_rows, stride_shift,
+                          stride_scale, stride_gate, HIDDEN, HAS_GATE, HAS_NORM, HAS_WEIGHT, BLOCK_T * CHUNK // 8)
     else:
-        _modulate_rows(program, x_ptr, res_ptr, branch_ptr, gate_ptr, w_ptr, shift_ptr, scale_ptr, idx_ptr, u_ptr,
-                       y_ptr, n_rows, num_table_rows, eps, stride_x, stride_res, stride_branch, stride_gate,
+        _modulate_rows(program - warming, x_ptr, res_ptr, branch_ptr, gate_ptr, w_ptr, shift_ptr, scale_ptr, idx_ptr,
+                       u_ptr, y_ptr, n_rows, num_table_rows, eps, stride_x, stride_res, stride_branch, stride_gate,
                        stride_shift, stride_scale, HIDDEN, HAS_GATE, HAS_NORM, HAS_WEIGHT, ROUND_GATE, ROUND_NORM,
                        ROUND_NORM_BEFORE_WEIGHT, ROUND_AFFINE, FUSE_MULTIPLY_ADD, PORTABLE, BLOCK_T, CHUNK,
                        TABLES_AHEAD, AHEAD)
