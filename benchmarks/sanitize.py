@@ -12,6 +12,7 @@ tables in bf16 (the warming reads the gate row with a load of its own, lines of 
 """
 
 import dataclasses
+import itertools
 import os
 import sys
 
@@ -38,15 +39,13 @@ def warming_next_row(choose):
 for base in (shipped, picked_for(FEW_ROWS), picked_for(None)):
     for choose, gate_dtypes in ((base, (None,)), (warming_next_row(base), (None, torch.float32))):
         with launch_config_answering(choose):
-            for hidden in (1, 31, 64, 101, 200, 5376):
-                for tokens in (1, 3, 257):
-                    for site in ("A", "B", "C"):
-                        for gate_dtype in gate_dtypes if site == "B" else (None,):
-                            for policy in ("bf16", "fp32"):
-                                inputs = make_inputs(site, tokens, hidden, table_rows=3, seed=tokens)
-                                inputs["index"][-1] = 2  # the last row reads the last table row
-                                if gate_dtype is not None:
-                                    inputs["gate"] = inputs["gate"].to(gate_dtype)
-                                fused_site(site, policy)(**inputs)
+            for hidden, tokens, site, policy in itertools.product((1, 31, 64, 101, 200, 5376), (1, 3, 257), "ABC",
+                                                                  ("bf16", "fp32")):
+                for gate_dtype in gate_dtypes if site == "B" else (None,):
+                    inputs = make_inputs(site, tokens, hidden, table_rows=3, seed=tokens)
+                    inputs["index"][-1] = 2  # the last row reads the last table row
+                    if gate_dtype is not None:
+                        inputs["gate"] = inputs["gate"].to(gate_dtype)
+                    fused_site(site, policy)(**inputs)
 torch.cuda.synchronize()
 print("sanitize: all launches done")
