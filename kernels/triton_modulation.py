@@ -324,7 +324,7 @@ def warming_programs(a: ModulationArgs, lanes: int) -> int:
     """How many warming programs (``_touch_table_rows``, ``lanes`` 32-byte sectors each) cover every table
     row the site reads and the weight; none where the tables' row count is symbolic, or where the tables
     hold more than ``WARM_TABLES_MAX_BYTES`` (a bound set, not measured: the model's tables hold about
-    130 KB, and warming many megabytes would hold the rows' loads back behind them)."""
+    140 KB, and warming many megabytes would hold the rows' loads back behind them)."""
     if not isinstance(a.num_table_rows, int):
         return 0
     rows = [(t, a.num_table_rows) for t in (a.shift, a.scale, a.gate) if t is not None] + [(a.weight, 1)] * (
