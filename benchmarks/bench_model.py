@@ -11,7 +11,8 @@
 3. Trajectory: a flow-matching Euler run (``--steps``, fixed seed) of a ``--traj-blocks`` deep model:
    PSNR of every step's latent against eager, per variant.
 4. Compile time: first compile (empty caches, a process per variant) and warm-cache compile of the
-   regional block, per variant.
+   regional block, per variant, with the warm compile's FX graph / AOT autograd cache hits and
+   Dynamo's time per compile phase.
 5. Inventory (``--parts inventory``, not in the default parts): the CUDA kernels of one block of the
    model-level graph by name, under Inductor and h3_fused, and what each launches that the other does not.
 """
@@ -205,16 +206,21 @@ def compile_times(rows, variants):
                    TRITON_CACHE_DIR=os.path.join(caches, "triton"))
         proc = subprocess.run([sys.executable, __file__, "--compile-variant", variant], env=env,
                               capture_output=True, text=True, check=True)
-        first, warm = json.loads(proc.stdout.strip().splitlines()[-1])
-        rows.append(dict(level="compile", variant=variant, first_s=first, warm_cache_s=warm))
-        print(f"compile {variant:14s} first {first:6.1f} s  warm cache {warm:6.1f} s", flush=True)
+        timed = json.loads(proc.stdout.strip().splitlines()[-1])
+        rows.append(dict(level="compile", variant=variant, **timed))
+        print(f"compile {variant:14s} first {timed['first_s']:6.1f} s  warm cache {timed['warm_cache_s']:6.1f} s  "
+              f"warm cache hits {timed['warm_cache_hits']}", flush=True)
+        print(timed["warm_phases"], flush=True)
 
 
-def time_compiles(variant) -> list[float]:
-    """Seconds to compile and run one regional block: cold caches, then warm after a Dynamo reset."""
+def time_compiles(variant) -> dict:
+    """Seconds to compile and run one regional block: cold caches, then warm after a Dynamo reset; for
+    the warm compile, the FX graph and AOT autograd cache hits and Dynamo's time per compile phase."""
     times = []
     for _ in range(2):
         torch._dynamo.reset()
+        counters.clear()
+        torch._dynamo.utils.compilation_time_metrics.clear()
         model = real_model(1, inline=True)
         latents, layout = example_inputs(model.cfg, 3072, device="cuda")
         with torch.no_grad():
@@ -223,7 +229,9 @@ def time_compiles(variant) -> list[float]:
             model(latents, layout)
             torch.cuda.synchronize()
             times.append(time.perf_counter() - start)
-    return times
+    hits = dict(fxgraph=counters["inductor"]["fxgraph_cache_hit"], aot_autograd=counters["aot_autograd"]["autograd_cache_hit"])
+    return dict(first_s=times[0], warm_cache_s=times[1], warm_cache_hits=hits,
+                warm_phases=torch._dynamo.utils.compile_times(repr="str", aggregate=True))
 
 
 def main():
