@@ -180,11 +180,12 @@ compiled(*args)
 with torch.profiler.profile() as p:
     compiled(*args)
 ran = sum(1 for e in p.events() if e.name == "h3_fused::reference_modulation")
-print("hit", counters["inductor"]["fxgraph_cache_hit"], "miss", counters["inductor"]["fxgraph_cache_miss"], "ran", ran)
+print("hit", counters["inductor"]["fxgraph_cache_hit"], "miss", counters["inductor"]["fxgraph_cache_miss"],
+      "aot_hit", counters["aot_autograd"]["autograd_cache_hit"], "ran", ran)
 """
 
 
-def test_fx_graph_cache_hits_in_a_fresh_process_and_policy_change_misses(tmp_path):
+def test_fx_graph_and_aot_autograd_caches_hit_in_a_fresh_process_and_policy_change_misses(tmp_path):
     env = {**__import__("os").environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path), "TORCHINDUCTOR_FX_GRAPH_CACHE": "1"}
 
     def run(policy):
@@ -193,6 +194,6 @@ def test_fx_graph_cache_hits_in_a_fresh_process_and_policy_change_misses(tmp_pat
         assert out.returncode == 0, out.stderr[-2000:]
         return out.stdout.strip().splitlines()[-1]
 
-    assert run("bf16") == "hit 0 miss 1 ran 1"
-    assert run("bf16") == "hit 1 miss 0 ran 1", "fresh process: cache hit, and the fused code runs"
-    assert run("fp32") == "hit 0 miss 1 ran 1", "a policy change misses"
+    assert run("bf16") == "hit 0 miss 1 aot_hit 0 ran 1"
+    assert run("bf16") == "hit 1 miss 0 aot_hit 1 ran 1", "fresh process: both caches hit, the fused code runs"
+    assert run("fp32") == "hit 0 miss 1 aot_hit 0 ran 1", "a policy change misses"
