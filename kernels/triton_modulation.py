@@ -320,6 +320,12 @@ def _touch_table_rows(program, w_ptr, shift_ptr, scale_ptr, gate_ptr, num_table_
         tl.load(w_ptr + rest * w_per_sector, mask=(rest >= 0) & (rest * w_per_sector < HIDDEN), volatile=True)
 
 
+def ceil_div(a, b):
+    """``ceil(a / b)`` of non-negative integers, symbolic ones too. On the host, in place of ``triton.cdiv``,
+    a ``constexpr_function`` whose wrapper costs about 1.5 us a call (Triton 3.6-3.9), several per launch."""
+    return (a + b - 1) // b
+
+
 def warming_programs(a: ModulationArgs, lanes: int) -> int:
     """How many warming programs (``_touch_table_rows``, ``lanes`` 32-byte sectors each) cover every table
     row the site reads and the weight; none where the tables' row count is symbolic, or where the tables
@@ -329,8 +335,8 @@ def warming_programs(a: ModulationArgs, lanes: int) -> int:
         return 0
     rows = [(t, a.num_table_rows) for t in (a.shift, a.scale, a.gate) if t is not None] + [(a.weight, 1)] * (
         a.weight is not None)
-    sectors = sum(count * triton.cdiv(a.hidden * t.element_size(), 32) for t, count in rows)
-    return 0 if 32 * sectors > WARM_TABLES_MAX_BYTES else triton.cdiv(sectors, lanes)
+    sectors = sum(count * ceil_div(a.hidden * t.element_size(), 32) for t, count in rows)
+    return 0 if 32 * sectors > WARM_TABLES_MAX_BYTES else ceil_div(sectors, lanes)
 
 
 @triton.jit
@@ -473,7 +479,7 @@ def launch_config(hidden: int, has_gate: bool, has_norm: bool, rows: int | None)
     the activations, the table rows prefetched or touched first or warmed into L1, capped registers,
     cache hints, and persistent programs pipelined through shared memory.
     """
-    padded = triton.next_power_of_2(int(hidden))  # H is a constexpr: specialised, never symbolic
+    padded = 1 << (int(hidden) - 1).bit_length()  # the next power of 2; H is a constexpr, never symbolic
     if padded > MAX_BLOCK_H:
         raise ValueError(f"H={hidden} exceeds the kernel's limit of {MAX_BLOCK_H}")
     block_t = max(1, 2048 // padded)
@@ -525,7 +531,7 @@ def launch_modulation(a: ModulationArgs, u: torch.Tensor | None, y: torch.Tensor
     x, res, branch = rows_or_alias(a.x), rows_or_alias(a.residual), rows_or_alias(a.branch)
     gate, shift, scale = table_or_alias(a.gate), table_or_alias(a.shift), table_or_alias(a.scale)
     warming = warming_programs(a, config.block_t * config.chunk // 8) if config.warm_tables else 0
-    return wrap(modulation_kernel)[(triton.cdiv(a.rows, config.block_t) + warming,)](
+    return wrap(modulation_kernel)[(ceil_div(a.rows, config.block_t) + warming,)](
         x, res, branch, gate, table_or_alias(a.weight), shift, scale, a.index,
         y if u is None else u, u if y is None else y,
         a.rows, a.num_table_rows, a.eps,
