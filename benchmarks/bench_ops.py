@@ -3,8 +3,8 @@
     python benchmarks/bench_ops.py --out benchmarks/results/ops.json [--sweep]
 
 Variants, measured side by side in one process: eager, Inductor default, Inductor with
-``emulate_precision_casts``, the hand-fused one-row kernel (``hand_fused.py``), the fused op under ``fp32`` and ``bf16``, and the ``bf16`` op inside a
-compiled graph. Time: median of ``triton.testing.do_bench`` (L2 flushed before each repetition).
+``emulate_precision_casts``, the hand-fused one-row kernel (``hand_fused.py``) under ``fp32`` and ``bf16``,
+the fused op under ``fp32`` and ``bf16``, and the ``bf16`` op inside a compiled graph. Time: median of ``triton.testing.do_bench`` (L2 flushed before each repetition).
 ``roof_gbs`` is the device-to-device copy bandwidth measured in the same run; ``mismatch`` the share of
 output elements not bit-identical to eager (for site B: of ``y``; ``mismatch_u`` of the residual).
 Every variant is timed twice: ``ms``, ``do_bench`` as a user calls it (host overhead included), and
@@ -111,7 +111,8 @@ def variants(site: str):
     yield "eager", eager
     yield "inductor", torch.compile(eager, dynamic=False)
     yield "inductor_epc", inductor_epc(site)
-    yield "hand_fused", hand_fused_site(site)
+    yield "hand_fused", hand_fused_site(site, "fp32")
+    yield "hand_fused_bf16", hand_fused_site(site, "bf16")
     yield "h3_fused_fp32", fused_site(site, "fp32")
     yield "h3_fused_bf16", fused_site(site, "bf16")
     yield "h3_fused_bf16_in_graph", torch.compile(fused_site(site, "bf16"), dynamic=False)

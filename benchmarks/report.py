@@ -11,7 +11,8 @@ import json
 
 README_COLUMNS = {  # variant: the README's column, in the README's order
     "copy_same_bytes": "copy, same bytes", "eager": "eager", "inductor": "Inductor",
-    "inductor_epc": "Inductor `emulate_precision_casts`", "hand_fused": "hand-fused one-row kernel",
+    "inductor_epc": "Inductor `emulate_precision_casts`", "hand_fused": "hand-fused one-row `fp32`",
+    "hand_fused_bf16": "hand-fused one-row `bf16`",
     "h3_fused_fp32": "h3_fused `fp32`", "h3_fused_bf16": "h3_fused `bf16`",
 }
 

@@ -31,3 +31,32 @@ print("shared outputs OK")
 
 def test_calls_timed_side_by_side_share_outputs_and_agree_only_on_equal_values():
     assert "shared outputs OK" in run_interpreted(SHARED_OUTPUTS)
+
+
+HAND_FUSED = r"""
+import sys
+import torch
+sys.path.insert(0, BENCHMARKS)
+from hand_fused import hand_fused_site
+from sites import eager_site, make_inputs
+
+for site in "ABC":
+    inputs = make_inputs(site, 7, 96, device="cpu")
+    expected = eager_site(site)(**inputs)
+    for policy in ("fp32", "bf16"):
+        got = hand_fused_site(site, policy)(**inputs)
+        for g, e in zip(*((got, expected) if site == "B" else ((got,), (expected,)))):
+            # within two bf16 places of eager (the interpreter truncates its conversions to bf16)
+            torch.testing.assert_close(g.float(), e.float(), rtol=2 ** -6, atol=2 ** -6 * e.abs().max().item())
+try:
+    hand_fused_site("A", "auto")
+except ValueError as e:
+    assert "policy" in str(e)
+else:
+    raise AssertionError("an unknown policy must be refused")
+print("hand fused OK")
+""".replace("BENCHMARKS", repr(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks")))
+
+
+def test_the_hand_fused_baseline_computes_each_site_under_both_policies_and_refuses_others():
+    assert "hand fused OK" in run_interpreted(HAND_FUSED)
