@@ -347,7 +347,7 @@ def _modulate_rows(
     HIDDEN: tl.constexpr, HAS_GATE: tl.constexpr, HAS_NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr,
     ROUND_GATE: tl.constexpr, ROUND_NORM: tl.constexpr, ROUND_NORM_BEFORE_WEIGHT: tl.constexpr,
     ROUND_AFFINE: tl.constexpr, FUSE_MULTIPLY_ADD: tl.constexpr, PORTABLE: tl.constexpr, BLOCK_T: tl.constexpr,
-    CHUNK: tl.constexpr, TABLES_AHEAD: tl.constexpr, AHEAD: tl.constexpr,
+    CHUNK: tl.constexpr, TABLES_AHEAD: tl.constexpr, AHEAD: tl.constexpr, LANES: tl.constexpr,
 ):
     """The rows of program ``program`` (int64), counting the programs of rows."""
     rows = program * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -400,8 +400,7 @@ def _modulate_rows(
             tl.store(y_ptr + rows[:, None] * HIDDEN + c * CHUNK + lanes[None, :], y, mask=mask)
     if AHEAD > 0 and HAS_NORM:  # last: no register of the row is live any more
         _touch_coming_table_rows(program, idx_ptr, shift_ptr, scale_ptr, gate_ptr, n_rows, num_table_rows,
-                                 stride_shift, stride_scale, stride_gate, HIDDEN, HAS_GATE, BLOCK_T, AHEAD,
-                                 BLOCK_T * CHUNK // 8)
+                                 stride_shift, stride_scale, stride_gate, HIDDEN, HAS_GATE, BLOCK_T, AHEAD, LANES)
 
 
 @triton.jit(debug=True)
@@ -413,6 +412,7 @@ def modulation_kernel(
     ROUND_GATE: tl.constexpr, ROUND_NORM: tl.constexpr, ROUND_NORM_BEFORE_WEIGHT: tl.constexpr,
     ROUND_AFFINE: tl.constexpr, FUSE_MULTIPLY_ADD: tl.constexpr, PORTABLE: tl.constexpr, BLOCK_T: tl.constexpr,
     CHUNK: tl.constexpr, TABLES_AHEAD: tl.constexpr, AHEAD: tl.constexpr, WARM_TABLES: tl.constexpr,
+    LANES: tl.constexpr,
 ):
     program = tl.program_id(0).to(tl.int64)  # int64 throughout: no int32 overflow checks under debug=True
     warming: tl.constexpr = 0
@@ -421,13 +421,13 @@ def modulation_kernel(
         warming = tl.num_programs(0).to(tl.int64) - rows_programs
     if WARM_TABLES and program < warming:
         _touch_table_rows(program, w_ptr, shift_ptr, scale_ptr, gate_ptr, num_table_rows, stride_shift,
-                          stride_scale, stride_gate, HIDDEN, HAS_GATE, HAS_NORM, HAS_WEIGHT, BLOCK_T * CHUNK // 8)
+                          stride_scale, stride_gate, HIDDEN, HAS_GATE, HAS_NORM, HAS_WEIGHT, LANES)
     else:
         _modulate_rows(program - warming, x_ptr, res_ptr, branch_ptr, gate_ptr, w_ptr, shift_ptr, scale_ptr, idx_ptr,
                        u_ptr, y_ptr, n_rows, num_table_rows, eps, stride_x, stride_res, stride_branch, stride_gate,
                        stride_shift, stride_scale, HIDDEN, HAS_GATE, HAS_NORM, HAS_WEIGHT, ROUND_GATE, ROUND_NORM,
                        ROUND_NORM_BEFORE_WEIGHT, ROUND_AFFINE, FUSE_MULTIPLY_ADD, PORTABLE, BLOCK_T, CHUNK,
-                       TABLES_AHEAD, AHEAD)
+                       TABLES_AHEAD, AHEAD, LANES)
 
 
 @dataclass(frozen=True)
@@ -444,6 +444,13 @@ class LaunchConfig:
     tables_ahead: bool = False
     prefetch_ahead: int = 1024
     warm_tables: bool = False
+
+    @property
+    def lanes(self) -> int:
+        """The lanes of the warming loads (``LANES``), ``block_t * chunk // 8``: one per eight elements of a
+        chunk of the program's rows, which is one per thread (each holds 8 columns of a chunk) at every H
+        but 1."""
+        return self.block_t * self.chunk // 8
 
 
 def launch_config(hidden: int, has_gate: bool, has_norm: bool, rows: int | None) -> LaunchConfig:
@@ -504,7 +511,7 @@ def specialisation(hidden: int, has_gate: bool, has_norm: bool, has_weight: bool
         ROUND_NORM_BEFORE_WEIGHT=rounding.norm_before_weight, ROUND_AFFINE=rounding.affine,
         FUSE_MULTIPLY_ADD=rounding.fused_multiply_add, PORTABLE=portable, BLOCK_T=config.block_t, CHUNK=config.chunk,
         TABLES_AHEAD=config.tables_ahead and has_norm,  # no tables without a norm: one build of site C
-        AHEAD=config.prefetch_ahead, WARM_TABLES=config.warm_tables,
+        AHEAD=config.prefetch_ahead, WARM_TABLES=config.warm_tables, LANES=config.lanes,
     )
 
 
@@ -530,7 +537,7 @@ def launch_modulation(a: ModulationArgs, u: torch.Tensor | None, y: torch.Tensor
 
     x, res, branch = rows_or_alias(a.x), rows_or_alias(a.residual), rows_or_alias(a.branch)
     gate, shift, scale = table_or_alias(a.gate), table_or_alias(a.shift), table_or_alias(a.scale)
-    warming = warming_programs(a, config.block_t * config.chunk // 8) if config.warm_tables else 0
+    warming = warming_programs(a, config.lanes) if config.warm_tables else 0
     return wrap(modulation_kernel)[(ceil_div(a.rows, config.block_t) + warming,)](
         x, res, branch, gate, table_or_alias(a.weight), shift, scale, a.index,
         y if u is None else u, u if y is None else y,

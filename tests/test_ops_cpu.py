@@ -447,12 +447,14 @@ def test_launch_config_gives_the_normed_sites_more_warps_only_for_few_known_rows
 def test_launch_config_never_runs_on_fewer_than_min_warps(hidden, site, rows):
     """At every H, site and row count a program has ``MIN_WARPS`` to 16 warps, each thread holding 8
     elements of every chunk (16 at H = 1, whose 2,048 rows per program are one column each), in chunks no
-    wider than the row padded to a power of two; one row per program where that padding is 2,048 or more."""
+    wider than the row padded to a power of two; one row per program where that padding is 2,048 or more.
+    The warming loads (``lanes``) have one lane per thread (two at H = 1)."""
     from h3_fused.kernels.triton_modulation import MIN_WARPS, launch_config
 
     c = launch_config(hidden, *site, rows)
     assert MIN_WARPS == 4 <= c.num_warps <= 16
     assert c.block_t * c.chunk == 32 * c.num_warps * (16 if hidden == 1 else 8)
+    assert c.lanes == 32 * c.num_warps * (2 if hidden == 1 else 1)
     assert c.chunk <= 1 << (hidden - 1).bit_length()
     assert (c.block_t == 1) == (hidden > 1024)
 
