@@ -4,7 +4,8 @@
 
 Variants, measured side by side in one process: eager, Inductor default, Inductor with
 ``emulate_precision_casts``, the hand-fused one-row kernel (``hand_fused.py``) under ``fp32`` and ``bf16``,
-the fused op under ``fp32`` and ``bf16``, and the ``bf16`` op inside a compiled graph. Time: median of ``triton.testing.do_bench`` (L2 flushed before each repetition).
+the fused op under ``fp32`` and ``bf16``, and the ``bf16`` op inside a compiled graph. Time: median of
+``triton.testing.do_bench`` (L2 flushed before each repetition).
 ``roof_gbs`` is the device-to-device copy bandwidth measured in the same run; ``mismatch`` the share of
 output elements not bit-identical to eager (for site B: of ``y``; ``mismatch_u`` of the residual).
 Every variant is timed twice: ``ms``, ``do_bench`` as a user calls it (host overhead included), and
