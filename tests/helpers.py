@@ -3,7 +3,6 @@ Triton interpreter."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
 import subprocess
@@ -30,10 +29,6 @@ def fused_ops_run(fn) -> int:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         fn()
     return sum(1 for e in prof.events() if e.name == FUSED_OP_EVENT)
-
-
-def with_config(model, **changes):
-    return dataclasses.replace(model.cfg, **changes)
 
 
 PUBLIC_SPELLINGS = [  # spec section 2, one switch at a time, then all at once

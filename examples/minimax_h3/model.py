@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .config import H3Config
+from .config import MODALITY_AUDIO, MODALITY_PAD, MODALITY_TEXT, MODALITY_VIDEO, H3Config
 from .layers import AdaLNProj, FinalLayer, H3Block, TimeEmbedder
 from .modulation import build_table_index
 
@@ -88,13 +88,13 @@ def example_inputs(cfg: H3Config, tokens: int, *, segments: int = 2, seed: int =
         seq = tokens // batch
         tokens = batch * seq
     bounds = torch.linspace(0, tokens, (batch if batched else segments) + 1).round().long()
-    modality = torch.zeros(tokens, dtype=torch.long)
+    modality = torch.full((tokens,), MODALITY_VIDEO, dtype=torch.long)
     timesteps = torch.empty(tokens)
     for s, (lo, hi) in enumerate(zip(bounds[:-1].tolist(), bounds[1:].tolist())):
         n = hi - lo
         text = max(1, n // 4)
-        modality[lo : lo + text] = 1
-        modality[hi - max(1, n // 16) : hi] = -1 if s % 2 == 0 else 2
+        modality[lo : lo + text] = MODALITY_TEXT
+        modality[hi - max(1, n // 16) : hi] = MODALITY_PAD if s % 2 == 0 else MODALITY_AUDIO
         timesteps[lo:hi] = 0.25 + 0.5 * s / max(1, segments)
         timesteps[lo : lo + text] = 0.0
     positions = torch.randint(0, 16, (tokens, 3), generator=gen)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .config import MODALITY_VIDEO, ROWS_PER_TIMESTEP, Spellings
+from .config import MODALITY_AUDIO, MODALITY_PAD, MODALITY_VIDEO, ROWS_PER_TIMESTEP, Spellings
 
 
 def _gather(table: torch.Tensor, idx: torch.Tensor, spell: Spellings) -> torch.Tensor:
@@ -68,7 +68,7 @@ def build_table_index(timesteps: torch.Tensor, modality: torch.Tensor, dtype=tor
     """
     if timesteps.shape != modality.shape:
         raise ValueError(f"timesteps {tuple(timesteps.shape)} and modality {tuple(modality.shape)} differ")
-    if modality.numel() and (modality.min() < -1 or modality.max() > 2):
+    if modality.numel() and (modality.min() < MODALITY_PAD or modality.max() > MODALITY_AUDIO):
         raise ValueError("modality tags must be -1 (pad), 0 (video), 1 (text) or 2 (audio)")
     unique, inverse = torch.unique(timesteps, return_inverse=True)
     row = inverse * ROWS_PER_TIMESTEP + modality.clamp(min=MODALITY_VIDEO)
