@@ -3,7 +3,7 @@
     torch.compile(model, backend="h3_fused", options={"dtype_policy": "bf16"})
 
 ``options`` other than ``dtype_policy`` and ``mode=`` behave as they do for Inductor. A post-grad
-custom pass the user already set is chained after ours, never dropped.
+custom pass the user already set (one, or on torch 2.13 on a list of them) is chained after ours, never dropped.
 """
 
 from __future__ import annotations
@@ -14,13 +14,18 @@ from h3_fused.kernels.policy import resolve_policy
 from torch._inductor import list_mode_options
 from torch._inductor.compile_fx import compile_fx
 
-from .graph_pass import H3FusionPass
+from .graph_pass import H3FusionPass, post_grad_passes
 from .options import FusionOptions
 
 
-def _user_post_pass(inductor_options: dict):
-    """The post-grad pass the user set (in ``options`` or the global config), if any."""
-    return inductor_options.pop("post_grad_custom_post_pass", inductor_config.post_grad_custom_post_pass)
+def _user_post_passes(inductor_options: dict) -> tuple:
+    """The post-grad passes the user set (in ``options`` or the global config), ours left out: compiling
+    through the backend twice chains the user's passes once, not our pass inside our pass."""
+    setting = inductor_options.pop("post_grad_custom_post_pass", inductor_config.post_grad_custom_post_pass)
+    passes = ()
+    for p in post_grad_passes(setting):
+        passes += p.chained if isinstance(p, H3FusionPass) else (p,)
+    return passes
 
 
 def graph_device(example_inputs) -> torch.device:
@@ -36,9 +41,7 @@ def make_config_patches(options: dict | None = None, mode: str | None = None,
     patches = dict(list_mode_options(mode)) if mode else {}
     if resolve_policy(fusion.dtype_policy, device) == "bf16":
         patches["emulate_precision_casts"] = True
-    chained = _user_post_pass(inductor_options)
-    if isinstance(chained, H3FusionPass):  # compiled twice through us: do not nest
-        chained = chained.chained
+    chained = _user_post_passes(inductor_options)
     patches.update(inductor_options)
     patches["post_grad_custom_post_pass"] = H3FusionPass(fusion, chained)
     return patches

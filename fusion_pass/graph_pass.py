@@ -27,6 +27,7 @@ from h3_fused.patterns import (
     replace_site,
 )
 from h3_fused.patterns.graph_view import device_of
+from torch._inductor import custom_graph_pass
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 from torch.fx import Graph
 
@@ -40,21 +41,36 @@ def _sources() -> tuple[str, ...]:
     return tuple(sorted(str(f) for root in roots for f in root.glob("*.py")))
 
 
-class H3FusionPass(CustomGraphPass):
-    """Fuse the AdaLN modulation sites of a post-grad graph; then run ``chained`` (a pass the user set)."""
+# A pass Inductor hands the graph's ``is_inference`` (torch 2.12 on; torch 2.11 has no such pass)
+INFERENCE_AWARE = getattr(custom_graph_pass, "CustomInferenceAwareGraphPass", None)
 
-    def __init__(self, options: FusionOptions = FusionOptions(), chained=None):
+
+def post_grad_passes(setting) -> tuple:
+    """The passes a ``post_grad_custom_post_pass`` setting holds: none, one, or (torch 2.13 on) a list or tuple."""
+    if setting is None:
+        return ()
+    return tuple(setting) if isinstance(setting, (list, tuple)) else (setting,)
+
+
+class H3FusionPass(INFERENCE_AWARE or CustomGraphPass):
+    """Fuse the AdaLN modulation sites of a post-grad graph; then run ``chained`` (the passes the user set),
+    in order, each called as Inductor would call it (with ``is_inference`` where it is inference-aware)."""
+
+    def __init__(self, options: FusionOptions = FusionOptions(), chained: tuple = ()):
         self.options = options
-        self.chained = chained
+        self.chained = tuple(chained)
 
-    def __call__(self, graph: Graph) -> None:
+    def __call__(self, graph: Graph, is_inference: bool | None = None) -> None:
         start = time.perf_counter()
         fused = self.fuse(graph)
         if fused:
             graph.lint()
         log.debug("h3_fused: %d site(s) fused in %.1f ms", fused, 1e3 * (time.perf_counter() - start))
-        if self.chained is not None:
-            self.chained(graph)
+        for chained in self.chained:
+            if INFERENCE_AWARE is not None and isinstance(chained, INFERENCE_AWARE):
+                chained(graph, is_inference=is_inference)
+            else:
+                chained(graph)
 
     def fuse(self, graph: Graph) -> int:
         a_sites, c_sites = {}, {}
@@ -109,11 +125,9 @@ class H3FusionPass(CustomGraphPass):
         log.debug("h3_fused: refused candidate %s: %s", node, why)
 
     def uuid(self) -> bytes | None:
-        chained = None
-        if self.chained is not None:
-            chained = self.chained.uuid() if hasattr(self.chained, "uuid") else None
-            if chained is None:
-                return None  # an opaque user pass: caching would be unsafe
+        chained = tuple(p.uuid() if isinstance(p, CustomGraphPass) else None for p in self.chained)
+        if not all(chained):
+            return None  # an opaque user pass: caching would be unsafe (Inductor bypasses the cache for it too)
         digest = hashlib.sha256(get_hash_for_files(_sources()))
         digest.update(repr((self.options, torch.__version__, chained)).encode())
         return digest.digest()

@@ -9,8 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from h3_fused import H3FusionPass
+from h3_fused.graph_pass import INFERENCE_AWARE
 from helpers import assert_bf16_policy
 from torch._dynamo.utils import counters
+from torch._inductor.custom_graph_pass import CustomGraphPass
 
 bf16 = torch.bfloat16
 H, K, T = 64, 6, 16
@@ -110,16 +112,70 @@ def test_gate_then_norm_fuses_as_one_site():
     assert counters["h3_fused"]["gate_norm_modulate"] == 1
 
 
+def fused_ops_in(graph) -> int:
+    return sum(1 for n in graph.nodes if "modulation" in str(n.target))
+
+
 def test_user_post_grad_pass_is_chained_not_dropped():
     seen = []
 
     def user_pass(graph):
-        seen.append(sum(1 for n in graph.nodes if "modulation" in str(n.target)))
+        seen.append(fused_ops_in(graph))
 
     with torch._inductor.config.patch(post_grad_custom_post_pass=user_pass):
         assert fused_count(site_a) == 1
     assert seen == [1], "the user's pass ran after ours and saw the fused op"
-    assert H3FusionPass(h3_fused.FusionOptions(), chained=user_pass).uuid() is None
+    assert H3FusionPass(h3_fused.FusionOptions(), chained=(user_pass,)).uuid() is None
+
+
+def test_a_list_of_user_post_grad_passes_runs_after_ours_in_order():
+    seen = []
+
+    def first(graph):
+        seen.append(("first", fused_ops_in(graph)))
+
+    def second(graph):
+        seen.append(("second", fused_ops_in(graph)))
+
+    with torch._inductor.config.patch(post_grad_custom_post_pass=[first, second]):
+        assert fused_count(site_a) == 1
+    assert seen == [("first", 1), ("second", 1)]
+
+
+class NamedPass(INFERENCE_AWARE or CustomGraphPass):
+    """A user pass with a uuid; inference-aware where this torch has such passes."""
+
+    def __init__(self, name: str, seen: list):
+        self.name, self.seen = name, seen
+
+    def __call__(self, graph, is_inference=None):
+        self.seen.append((self.name, is_inference))
+
+    def uuid(self):
+        return self.name.encode()
+
+
+def test_user_passes_are_called_as_inductor_calls_them_and_compiling_twice_does_not_nest_our_pass():
+    seen = []
+    with torch._inductor.config.patch(post_grad_custom_post_pass=NamedPass("mine", seen)):
+        patches = h3_fused.make_config_patches({"dtype_policy": "bf16"})
+    ours = patches["post_grad_custom_post_pass"]
+    assert [type(p) for p in ours.chained] == [NamedPass]
+    again = h3_fused.make_config_patches({"post_grad_custom_post_pass": ours})["post_grad_custom_post_pass"]
+    assert again.chained == ours.chained, "the user's pass chained once, not our pass inside our pass"
+    with torch._inductor.config.patch(post_grad_custom_post_pass=NamedPass("mine", seen)):
+        assert fused_count(site_a) == 1
+    # torch 2.12 on: Inductor tells our (inference-aware) pass, which tells the user's; 2.11: neither knows
+    assert seen == [("mine", True if INFERENCE_AWARE is not None else None)]
+
+
+def test_uuid_follows_the_user_passes():
+    options = h3_fused.FusionOptions("bf16")
+    alone = H3FusionPass(options).uuid()
+    one = H3FusionPass(options, (NamedPass("a", []),)).uuid()
+    assert None not in (alone, one) and len({alone, one, H3FusionPass(options, (NamedPass("b", []),)).uuid()}) == 3
+    assert one == H3FusionPass(options, (NamedPass("a", []),)).uuid()
+    assert H3FusionPass(options, (NamedPass("a", []), lambda graph: None)).uuid() is None
 
 
 def test_uuid_covers_options_and_sources():
@@ -152,9 +208,9 @@ def test_pass_cost_on_the_tiny_block_is_under_a_second():
     spent = []
     original = H3FusionPass.__call__
 
-    def timed(self, graph):
+    def timed(self, graph, *args, **kwargs):
         start = time.perf_counter()
-        original(self, graph)
+        original(self, graph, *args, **kwargs)
         spent.append(time.perf_counter() - start)
 
     H3FusionPass.__call__ = timed
@@ -169,6 +225,7 @@ def test_pass_cost_on_the_tiny_block_is_under_a_second():
 CACHE_SCRIPT = r"""
 import sys, torch
 from torch._dynamo.utils import counters
+from torch._inductor.custom_graph_pass import CustomGraphPass
 import torch.nn.functional as F
 H = 64
 def f(x, w, shift, scale, idx):
