@@ -56,9 +56,9 @@ class H3FusionPass(INFERENCE_AWARE or CustomGraphPass):
     """Fuse the AdaLN modulation sites of a post-grad graph; then run ``chained`` (the passes the user set),
     in order, each called as Inductor would call it (with ``is_inference`` where it is inference-aware)."""
 
-    def __init__(self, options: FusionOptions = FusionOptions(), chained: tuple = ()):
+    def __init__(self, options: FusionOptions = FusionOptions(), chained=None):
         self.options = options
-        self.chained = tuple(chained)
+        self.chained = post_grad_passes(chained)  # None, one pass, or a list or tuple of them
 
     def __call__(self, graph: Graph, is_inference: bool | None = None) -> None:
         start = time.perf_counter()

@@ -176,6 +176,8 @@ def test_uuid_follows_the_user_passes():
     assert None not in (alone, one) and len({alone, one, H3FusionPass(options, (NamedPass("b", []),)).uuid()}) == 3
     assert one == H3FusionPass(options, (NamedPass("a", []),)).uuid()
     assert H3FusionPass(options, (NamedPass("a", []), lambda graph: None)).uuid() is None
+    assert H3FusionPass(options, NamedPass("a", [])).uuid() == one, "one pass, as Inductor's setting takes it"
+    assert H3FusionPass(options, None).uuid() == alone
 
 
 def test_uuid_covers_options_and_sources():
