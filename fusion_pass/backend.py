@@ -14,18 +14,13 @@ from h3_fused.kernels.policy import resolve_policy
 from torch._inductor import list_mode_options
 from torch._inductor.compile_fx import compile_fx
 
-from .graph_pass import H3FusionPass, post_grad_passes
+from .graph_pass import H3FusionPass
 from .options import FusionOptions
 
 
-def _user_post_passes(inductor_options: dict) -> tuple:
-    """The post-grad passes the user set (in ``options`` or the global config), ours left out: compiling
-    through the backend twice chains the user's passes once, not our pass inside our pass."""
-    setting = inductor_options.pop("post_grad_custom_post_pass", inductor_config.post_grad_custom_post_pass)
-    passes = ()
-    for p in post_grad_passes(setting):
-        passes += p.chained if isinstance(p, H3FusionPass) else (p,)
-    return passes
+def _user_post_pass_setting(inductor_options: dict):
+    """The post-grad pass setting the user made (in ``options`` or the global config)."""
+    return inductor_options.pop("post_grad_custom_post_pass", inductor_config.post_grad_custom_post_pass)
 
 
 def graph_device(example_inputs) -> torch.device:
@@ -41,7 +36,7 @@ def make_config_patches(options: dict | None = None, mode: str | None = None,
     patches = dict(list_mode_options(mode)) if mode else {}
     if resolve_policy(fusion.dtype_policy, device) == "bf16":
         patches["emulate_precision_casts"] = True
-    chained = _user_post_passes(inductor_options)
+    chained = _user_post_pass_setting(inductor_options)
     patches.update(inductor_options)
     patches["post_grad_custom_post_pass"] = H3FusionPass(fusion, chained)
     return patches

@@ -227,7 +227,6 @@ def test_pass_cost_on_the_tiny_block_is_under_a_second():
 CACHE_SCRIPT = r"""
 import sys, torch
 from torch._dynamo.utils import counters
-from torch._inductor.custom_graph_pass import CustomGraphPass
 import torch.nn.functional as F
 H = 64
 def f(x, w, shift, scale, idx):
