@@ -16,11 +16,15 @@ also says whether every configuration of its policy left bit-identical outputs, 
   policies' lines;
 - ``tables_in_l2``: the shipped configuration with every table row and the weight already in L2 when it
   starts (after the flush, a copy reads them; timed as copy + kernel minus the copy alone), added with
-  ``--tables-in-l2``: the most that warming the tables as the kernel starts could give.
+  ``--tables-in-l2``: the most that warming the tables as the kernel starts could give;
+- ``kernel_warmed``: the shipped configuration launched first on ``WARM_ROWS`` rows of their own (the same
+  build, the same tables), which leaves the kernel's code and every table row in L2 (its warming programs
+  read them all); timed as that launch + kernel minus that launch alone, added with ``--kernel-warmed``.
+  Against ``tables_in_l2``: what fetching the kernel's code from DRAM costs as it starts.
 
     python benchmarks/probe_configs.py [--cases A:2048 A:3072 A:4096] [--policies bf16 fp32]
         [--index uniform runs] [--configs shipped w4_ahead w8] [--maxnreg 64] [--hidden 5376]
-        [--inductor] [--tables-in-l2]
+        [--inductor] [--tables-in-l2] [--kernel-warmed]
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ from sites import (  # noqa: E402
 )
 
 TABLE_ROWS = 6
+WARM_ROWS = 16  # divisible by 16, as the timed row counts: Triton specialises the row count alike
 
 
 def configurations(site: str, tokens: int, hidden: int) -> dict:
@@ -71,6 +76,14 @@ def tables_touch(inputs: dict):
     return touch
 
 
+def small_launch(site: str, inputs: dict, policy: str, config, hidden: int):
+    """The kernel in launch configuration ``config`` on ``WARM_ROWS`` rows of fresh activations with
+    ``inputs``' tables and weight: the same build as the timed call's, which reads no activation of it."""
+    small = make_inputs(site, WARM_ROWS, hidden, TABLE_ROWS, seed=1)
+    rows = {name: small[name] for name in ("x", "residual", "branch", "index") if name in small}
+    return with_launch_config(kernel_launch(site, dict(inputs, **rows), policy), config)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=7)
@@ -82,9 +95,11 @@ def main():
     parser.add_argument("--hidden", type=int, default=HIDDEN)
     parser.add_argument("--inductor", action="store_true", help="also Inductor with emulate_precision_casts")
     parser.add_argument("--tables-in-l2", action="store_true", help="also the shipped kernel with the tables in L2")
+    parser.add_argument("--kernel-warmed", action="store_true",
+                        help="also the shipped kernel with its code and tables in L2 (a small launch first)")
     args = parser.parse_args()
-    if args.tables_in_l2 and "shipped" not in args.configs:
-        parser.error("--tables-in-l2 times the shipped configuration: keep 'shipped' in --configs")
+    if (args.tables_in_l2 or args.kernel_warmed) and "shipped" not in args.configs:
+        parser.error("--tables-in-l2 and --kernel-warmed time the shipped configuration: keep 'shipped' in --configs")
     names = args.configs + ["shipped_maxnreg"] * (args.maxnreg is not None)
     for case in args.cases:
         site, tokens = case.split(":")
@@ -112,6 +127,13 @@ def main():
                 for policy in args.policies:
                     shipped = runs["shipped", policy]
                     runs["touched", policy] = lambda touch=touch, shipped=shipped: (touch(), shipped())
+            if args.kernel_warmed:
+                for policy in args.policies:
+                    warm = small_launch(site, inputs, policy, named["shipped"], args.hidden)
+                    shipped = runs["shipped", policy]
+                    runs["warm", policy] = warm
+                    runs["warmed", policy] = lambda warm=warm, shipped=shipped: (warm(), shipped())
+                    runs["warmed", policy]()
             agree = all(calls_agree([runs[name, policy] for name in names], outputs) for policy in args.policies)
             med = alternating_medians(runs, args.rounds)
             inductor = ["inductor_epc"] * args.inductor
@@ -119,6 +141,8 @@ def main():
                 line = {name: med[name, policy] for name in names} | {name: med[name] for name in inductor}
                 if args.tables_in_l2:
                     line["tables_in_l2"] = med["touched", policy] - med["touch"]
+                if args.kernel_warmed:
+                    line["kernel_warmed"] = med["warmed", policy] - med["warm", policy]
                 print(f"{site} H={args.hidden} T={tokens:6d} {layout:7s} {policy} shipped={named['shipped']}: "
                       + relative_times(line, "shipped") + f"; outputs identical: {agree}", flush=True)
 

@@ -2,6 +2,7 @@
 
     python benchmarks/report.py benchmarks/results/ops.json            # docs/BENCHMARKS.md's op table
     python benchmarks/report.py benchmarks/results/ops.json --readme   # the README's
+    python benchmarks/report.py benchmarks/results/ops.json --over-copy h3_fused_bf16
 
 Rows of several hidden sizes (``bench_ops.py --hidden``) get an ``H`` column.
 """
@@ -48,11 +49,35 @@ def readme_table(rows: list) -> None:
         print(case_cells(case) + " | ".join(cells) + " |")
 
 
-def main(src: str, readme: bool) -> None:
+def over_copy_table(rows: list, variant: str) -> None:
+    """``variant``'s device time against the copy of the same bytes, per site and T: the difference, and
+    between each T and the previous one the ratio of the two times' increases (what each further row
+    costs against the copy's further bytes). A constant difference with a ratio near 1 is a fixed cost
+    of the launch (ramp and tail), not a lower streaming rate."""
+    times = {(*_case(r), r["variant"]): r["us_graph"] for r in rows}
+    header, rule, case_cells = _case_columns(rows)
+    print(header + f"copy, same bytes | {variant} | over the copy | increase against the copy's |")
+    print(rule + "---|---|---|---|")
+    previous = None
+    for case in dict.fromkeys(map(_case, rows)):
+        if (*case, variant) not in times:
+            continue
+        copy, ours = times[(*case, "copy_same_bytes")], times[(*case, variant)]
+        ratio = ""
+        if previous and previous[0] == case[:2]:
+            ratio = f"{(ours - previous[2]) / (copy - previous[1]):.3f}"
+        print(case_cells(case) + f"{copy:.1f} us | {ours:.1f} us | {ours - copy:+.1f} us | {ratio} |")
+        previous = (case[:2], copy, ours)
+
+
+def main(src: str, readme: bool, over_copy: str | None = None) -> None:
     with open(src) as f:
         rows = json.load(f)
     if readme:
         readme_table(rows)
+        return
+    if over_copy:
+        over_copy_table(rows, over_copy)
         return
     main_rows = [r for r in rows if not r["variant"].startswith("sweep")]
     variants = list(dict.fromkeys(r["variant"] for r in main_rows))
@@ -82,5 +107,6 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("src")
     parser.add_argument("--readme", action="store_true", help="the README's table")
+    parser.add_argument("--over-copy", metavar="VARIANT", help="VARIANT's time against the copy of the same bytes")
     args = parser.parse_args()
-    main(args.src, args.readme)
+    main(args.src, args.readme, args.over_copy)

@@ -58,3 +58,17 @@ def test_rows_of_several_hidden_sizes_get_an_h_column_and_their_own_rows(tmp_pat
         assert table[0].startswith("| site | H | T | ") and table[1].startswith("|---|---|---|")
         assert [row.split("|")[2:4] for row in table[2:]] == [[" 2,048 ", " 15,808 "], [" 4,096 ", " 15,808 "]]
         assert "22.0 us" in table[2] and "24.0 us" in table[3]  # eager: 20 + H / 1024 us
+
+
+def test_over_copy_table_gives_the_difference_and_the_ratio_of_increases_per_site(tmp_path, capsys):
+    rows = [dict(site=site, T=t, variant=variant, us_graph=us)
+            for site, t, copy, ours in [("A", 3072, 18.0, 20.0), ("A", 15808, 80.0, 83.1), ("B", 3072, 33.0, 35.5)]
+            for variant, us in [("copy_same_bytes", copy), ("h3_fused_bf16", ours), ("eager", 100.0)]]
+    src = tmp_path / "ops.json"
+    src.write_text(json.dumps(rows))
+    main(str(src), False, "h3_fused_bf16")
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0] == "| site | T | copy, same bytes | h3_fused_bf16 | over the copy | increase against the copy's |"
+    assert lines[2] == "| A | 3,072 | 18.0 us | 20.0 us | +2.0 us |  |"
+    assert lines[3] == "| A | 15,808 | 80.0 us | 83.1 us | +3.1 us | 1.018 |"  # (83.1 - 20) / (80 - 18)
+    assert lines[4] == "| B | 3,072 | 33.0 us | 35.5 us | +2.5 us |  |"  # no ratio across sites
