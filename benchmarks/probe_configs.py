@@ -10,6 +10,7 @@ also says whether every configuration of its policy left bit-identical outputs, 
   16-byte vector per thread, the table rows loaded ahead (``tables_ahead``), the shipped warming of
   coming table rows;
 - ``w2`` / ``w4`` / ``w8``: the same with the table rows loaded just before their use;
+- each of these with ``_warm`` appended (``w8_ahead_warm``): with warming programs too (``warm_tables``);
 - ``shipped_maxnreg``: the shipped configuration with ptxas capping the registers per thread at
   ``--maxnreg`` (more programs per SM where the build needs more), added when that option is given;
 - ``inductor_epc``: ``bench_ops.inductor_epc``, added with ``--inductor``; one compile serves both
@@ -59,7 +60,9 @@ def configurations(site: str, tokens: int, hidden: int) -> dict:
     named["shipped_warm_tables"] = dataclasses.replace(named["shipped"], warm_tables=True)
     for warps in (2, 4, 8):
         for ahead in (False, True):
-            named[f"w{warps}" + ("_ahead" if ahead else "")] = LaunchConfig(1, 32 * warps * 8, warps, ahead)
+            name = f"w{warps}" + ("_ahead" if ahead else "")
+            named[name] = LaunchConfig(1, 32 * warps * 8, warps, ahead)
+            named[f"{name}_warm"] = dataclasses.replace(named[name], warm_tables=True)
     return named
 
 
