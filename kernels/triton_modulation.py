@@ -472,8 +472,8 @@ def launch_config(hidden: int, has_gate: bool, has_norm: bool, rows: int | None)
     many-rows choice, without a guard on the count.
 
     Every bound was chosen side by side on the H200 at H = 5,376 (``SITE_A_NARROW_H`` at H = 2,048 to
-    16,384), with the outputs unchanged (docs/BENCHMARKS.md): the warp counts in runs 13, 21 and 113 ("Launch
-    configurations measured", "Small T"); B's table rows ahead in run 30, and beyond ``FEW_ROWS`` on 4 warps in run 45; A on 4 warps with
+    16,384), with the outputs unchanged (docs/BENCHMARKS.md): the warp counts in runs 13 and 21 ("Launch
+    configurations measured", "Small T"; with warming programs in run 113, "What the gap is made of"); B's table rows ahead in run 30, and beyond ``FEW_ROWS`` on 4 warps in run 45; A on 4 warps with
     its table rows ahead from 1,025 rows in run 41, and beyond 16,384 rows in runs 87-89, with one set
     of output buffers for both ("The table rows ahead at every row count"): from H = 4,096 on 0.6-4.5%
     faster with the model's index in runs and between 3.9% faster and 0.8% slower with the uniform one,
