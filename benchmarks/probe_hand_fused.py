@@ -13,7 +13,6 @@ the baseline's fidelity to the design the anchors measured can be read off.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import statistics
@@ -24,19 +23,12 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_ops import TOKENS, alternating_rounds, copy_bandwidth, mismatch, outputs  # noqa: E402
 from hand_fused import hand_fused_site  # noqa: E402
-from sites import eager_site, fused_site, make_inputs, minimal_bytes  # noqa: E402
+from sites import eager_site, fused_site, load_module_file, make_inputs, minimal_bytes  # noqa: E402
 
 SPEC_ONE_ROW_US = {  # (site, T): (fp32, bf16), spec section 4
     ("A", 3072): (24.4, 23.0), ("A", 15808): (97.7, 95.2), ("A", 63232): (366.0, 358.0),
     ("B", 3072): (40.3, 39.4), ("B", 15808): (176.0, 172.0), ("B", 63232): (672.0, 653.0),
 }
-
-
-def load_baseline(path: str):
-    spec = importlib.util.spec_from_file_location("hand_fused_baseline", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.hand_fused_site
 
 
 def main():
@@ -54,7 +46,7 @@ def main():
             inputs = make_inputs(site, tokens)
             calls = {"hand_fused": hand_fused_site(site, "fp32"), "hand_fused_bf16": hand_fused_site(site, "bf16")}
             if args.baseline:
-                calls["baseline"] = load_baseline(args.baseline)(site)
+                calls["baseline"] = load_module_file(args.baseline, "hand_fused_baseline").hand_fused_site(site)
             calls["h3_fused_bf16"] = fused_site(site, "bf16")
             reference_y = outputs(site, eager_site(site)(**inputs))[1]
             mismatches = {name: mismatch(outputs(site, call(**inputs))[1], reference_y) for name, call in calls.items()}

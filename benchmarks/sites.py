@@ -188,16 +188,22 @@ def minimal_bytes(site: str, tokens: int, hidden: int, itemsize: int = 2) -> int
     return streams * tokens * hidden * itemsize
 
 
-def load_kernel_module(path: str):
-    """A copy of ``kernels/triton_modulation.py`` from another commit, imported beside the installed one
-    (as ``h3_fused.kernels._baseline_modulation``, so its relative imports resolve), e.g. from
-    ``git show REV:kernels/triton_modulation.py > FILE``."""
+def load_module_file(path: str, name: str):
+    """The Python file ``path`` imported as module ``name`` (e.g. a version of a file from another commit,
+    ``git show REV:FILE > PATH``, beside the installed one)."""
     import importlib.util
 
-    import h3_fused.kernels  # noqa: F401  (the parent package of the copy)
-
-    spec = importlib.util.spec_from_file_location("h3_fused.kernels._baseline_modulation", path)
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def load_kernel_module(path: str):
+    """A copy of ``kernels/triton_modulation.py`` from another commit, imported beside the installed one
+    (as ``h3_fused.kernels._baseline_modulation``, so its relative imports resolve), e.g. from
+    ``git show REV:kernels/triton_modulation.py > FILE``."""
+    import h3_fused.kernels  # noqa: F401  (the parent package of the copy)
+
+    return load_module_file(path, "h3_fused.kernels._baseline_modulation")
