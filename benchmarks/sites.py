@@ -1,12 +1,14 @@
-"""The three modulation sites written as the unfused model writes them, and their inputs.
+"""The three modulation sites written as the unfused model writes them, their inputs, and calls of the fused
+kernels on them.
 
-Shared by the op benchmark and the GPU tests: ``eager_site(kind)`` is the eager function a fused op
-replaces; ``make_inputs`` builds real-size inputs (strided ``[K, H]`` chunk views, int64 index).
+Shared by the benchmarks and the tests (pytest puts ``benchmarks/`` on the path): ``eager_site(site)`` is the
+eager function a fused op replaces; ``make_inputs`` builds real-size inputs (strided ``[K, H]`` chunk views,
+int64 index); ``fused_site`` calls the public op, ``kernel_launch`` the forward kernel alone, with any launch
+configuration or build.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import sys
 
@@ -83,19 +85,19 @@ def fused_site(site: str, policy: str, *, dispatcher: bool = False):
 
 
 def kernel_launch(site: str, inputs: dict, policy: str, wrap=lambda kernel: kernel, kernel_module=None,
-                  outputs=None):
+                  outputs=None, config=None):
     """A call that launches the fused kernel alone on ``inputs`` (arguments checked once, outputs
     allocated once; no op dispatch) and returns what the launch returns (the compiled kernel); the call's
-    ``outputs`` attribute holds ``(u, y)`` (None where the site has no such output). ``launch_config`` is
-    read at each call, so a benchmark may swap it between calls. ``kernel_module``: another version of
-    ``h3_fused.kernels.triton_modulation`` to launch instead (``load_kernel_module``). ``outputs``: the
-    ``outputs`` of another call on inputs of the same shapes, to write into instead of allocating. Calls
-    timed side by side share them: with outputs of their own, identical kernels differed by up to 1.7%,
-    the same way in every run, by where their outputs lay (runs 84-85, docs/BENCHMARKS.md)."""
-    from h3_fused.kernels import triton_modulation
-    from h3_fused.kernels.contract import check_args
+    ``outputs`` attribute holds ``(u, y)`` (None where the site has no such output). ``config``: a
+    ``LaunchConfig`` to launch with instead of the shipped one. ``kernel_module``: another version of
+    ``h3_fused.kernels.launch`` to launch instead (``load_kernel_module``). ``outputs``: the ``outputs`` of
+    another call on inputs of the same shapes, to write into instead of allocating. Calls timed side by
+    side share them: with outputs of their own, identical kernels differed by up to 1.7%, the same way in
+    every run, by where their outputs lay (docs/BENCHMARKS.md, "Method")."""
+    from h3_fused.kernels import launch as shipped
+    from h3_fused.kernels.arguments import check_args
 
-    launch_modulation = (kernel_module or triton_modulation).launch_modulation
+    launch_modulation = (kernel_module or shipped).launch_modulation
 
     a = check_args(**inputs, policy=policy, has_norm=site != "C")
     if outputs is None:
@@ -104,7 +106,7 @@ def kernel_launch(site: str, inputs: dict, policy: str, wrap=lambda kernel: kern
     u, y = outputs
 
     def launch():
-        return launch_modulation(a, u, y, wrap)
+        return launch_modulation(a, u, y, wrap, config)
 
     launch.outputs = (u, y)
     return launch
@@ -113,7 +115,7 @@ def kernel_launch(site: str, inputs: dict, policy: str, wrap=lambda kernel: kern
 def shipped_launch_config(site: str, hidden: int, rows: int | None):
     """The configuration ``launch_config`` picks for ``site`` (A: a norm; B: a gate and a norm; C: a gate) at
     ``hidden`` columns and ``rows`` rows (None: a symbolic count)."""
-    from h3_fused.kernels.triton_modulation import launch_config
+    from h3_fused.kernels.launch import launch_config
 
     return launch_config(hidden, site != "A", site != "C", rows)
 
@@ -126,7 +128,7 @@ def identical_outputs(outputs, others) -> bool:
 
 def calls_agree(calls, outputs) -> bool:
     """Whether every one of ``calls`` (calls that write into the same ``outputs``: ``kernel_launch`` calls
-    given one ``outputs``, or those run ``with_launch_config``) leaves in them what the first leaves, bit
+    given one ``outputs``) leaves in them what the first leaves, bit
     for bit. Each call runs on outputs filled with NaN, so that one that wrote nothing does not agree."""
     first = None
     for call in calls:
@@ -158,52 +160,22 @@ class LaunchOptions:
         return functools.partial(self.kernel[grid], **self.options)
 
 
-@contextlib.contextmanager
-def launch_config_answering(choose):
-    """Within the block, the kernel's ``launch_config(hidden, has_gate, has_norm, rows)`` answers ``choose``'s
-    configuration instead of its own."""
-    from h3_fused.kernels import triton_modulation as tm
-
-    original = tm.launch_config
-    tm.launch_config = choose
-    try:
-        yield
-    finally:
-        tm.launch_config = original
-
-
-def with_launch_config(launch, config):
-    """``launch`` (e.g. a ``kernel_launch``) run with the launch configuration ``config``."""
-
-    def run():
-        with launch_config_answering(lambda hidden, has_gate, has_norm, rows: config):
-            return launch()
-
-    return run
-
-
 def minimal_bytes(site: str, tokens: int, hidden: int, itemsize: int = 2) -> int:
     """Each activation read once and each output written once (tables and index are negligible)."""
     streams = {"A": 2, "B": 4, "C": 3}[site]
     return streams * tokens * hidden * itemsize
 
 
-def load_module_file(path: str, name: str):
-    """The Python file ``path`` imported as module ``name`` (e.g. a version of a file from another commit,
-    ``git show REV:FILE > PATH``, beside the installed one)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 def load_kernel_module(path: str):
-    """A copy of ``kernels/triton_modulation.py`` from another commit, imported beside the installed one
-    (as ``h3_fused.kernels._baseline_modulation``, so its relative imports resolve), e.g. from
-    ``git show REV:kernels/triton_modulation.py > FILE``."""
-    import h3_fused.kernels  # noqa: F401  (the parent package of the copy)
+    """The kernel package's ``launch.py`` of another commit, imported beside the installed one so that both can
+    be timed in one process: ``path`` is a folder holding that commit's ``kernels/`` files
+    (``git archive REV kernels | tar -x --strip-components=1 -C DIR``). Only ``launch.py`` and what it imports
+    are loaded (not the package's ``__init__``, which would register the ops a second time)."""
+    import importlib
+    import types
 
-    return load_module_file(path, "h3_fused.kernels._baseline_modulation")
+    name = "h3_fused_baseline_kernels"
+    package = types.ModuleType(name)
+    package.__path__ = [path]
+    sys.modules[name] = package
+    return importlib.import_module(f"{name}.launch")

@@ -17,7 +17,6 @@ import h3_fused.patterns as patterns_pkg
 import torch
 from h3_fused.kernels.policy import resolve_policy
 from h3_fused.patterns import (
-    OP_NAMES,
     NoMatch,
     gate_residual_site,
     is_affine_candidate,
@@ -110,9 +109,9 @@ class H3FusionPass(INFERENCE_AWARE or CustomGraphPass):
                 continue
             renamed.update(zip(site.outputs, new_outputs))
             fused += 1
-            count(OP_NAMES[site.kind])
-            log.debug("h3_fused: fused site %s at %s as h3_fused::%s (policy %s)", site.kind,
-                      ", ".join(map(str, site.outputs)), OP_NAMES[site.kind], policy)
+            count(site.kind.value)
+            log.debug("h3_fused: fused site %s at %s as h3_fused::%s (policy %s)", site.kind.letter,
+                      ", ".join(map(str, site.outputs)), site.kind.value, policy)
         return fused
 
     def _try(self, node, matcher, found: dict) -> None:

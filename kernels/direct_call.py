@@ -5,9 +5,7 @@ wrapper and the per-device wrapper, each boxing every argument) before it reache
 ``wrap_triton`` then launches the kernel through a higher-order op. Nothing needs either when nothing is
 watching the call, so the public functions (``ops.py``) run the body directly, and the body launches the
 kernel directly, exactly when ``untraced`` holds; every other call goes through ``torch.ops.h3_fused.*``
-as before. Host time per call on the H200 box at T = 3,072 (``benchmarks/host_overhead.py``, run 57),
-sites A / B / C: 148 / 171 / 169 us directly, 155 / 220 / 214 us through the dispatcher, against 48 / 67
-/ 74 us for the bare Triton launch.
+as before (docs/DESIGN.md, "Direct calls in eager").
 """
 
 from __future__ import annotations

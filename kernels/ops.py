@@ -23,10 +23,10 @@ import functools
 import torch
 from torch.library import custom_op, triton_op, wrap_triton
 
-from .contract import ModulationArgs, check_args
+from .arguments import ModulationArgs, check_args
 from .direct_call import needs_grad, untraced
+from .launch import interpreting, launch_modulation
 from .reference import reference_modulation
-from .triton_modulation import interpreting, launch_modulation
 
 Tensor = torch.Tensor
 
@@ -82,6 +82,7 @@ def reference_modulation_op(
     a = check_args(x=x, residual=residual, branch=branch, gate=gate, weight=weight, shift=shift, scale=scale,
                    index=index, eps=eps, policy=policy, norm_rounds_before_weight=norm_rounds_before_weight,
                    upcast_tables=upcast_tables, has_norm=scale is not None)
+    _check_index_on_host(a)
     u, y = reference_modulation(a)
     nothing = a.index.new_empty(0, dtype=a.dtype)
     return (nothing if u is None else u), (nothing if y is None else y)

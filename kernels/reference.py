@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .contract import ModulationArgs
+from .arguments import ModulationArgs
 
 f32 = torch.float32
 

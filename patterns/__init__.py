@@ -1,9 +1,10 @@
 """Search/replace of the AdaLN modulation sites in post-grad FX graphs (no kernel internals here)."""
 
 from .graph_view import NoMatch
-from .replacements import OP_NAMES, replace_site
+from .replacements import replace_site
 from .sites import (
     Site,
+    SiteKind,
     gate_residual_site,
     is_affine_candidate,
     is_gated_candidate,
@@ -12,6 +13,6 @@ from .sites import (
 )
 
 __all__ = [
-    "OP_NAMES", "NoMatch", "Site", "gate_residual_site", "is_affine_candidate", "is_gated_candidate",
+    "NoMatch", "Site", "SiteKind", "gate_residual_site", "is_affine_candidate", "is_gated_candidate",
     "merge_gate_and_norm", "norm_modulate_site", "replace_site",
 ]

@@ -17,9 +17,7 @@ from torch._subclasses.functional_tensor import dispatch_functionalize
 from torch.fx import Graph, Node
 
 from .graph_view import NoMatch, expect
-from .sites import Site
-
-OP_NAMES = {"A": "norm_modulate", "B": "gate_norm_modulate", "C": "gate_residual"}
+from .sites import Site, SiteKind
 
 
 def replacement_fn(site: Site, policy: str):
@@ -31,11 +29,11 @@ def replacement_fn(site: Site, policy: str):
 
     def fn(*tensors):
         t = dict(zip(names, tensors))
-        lead = t["x"] if site.kind == "A" else t["residual"]
+        lead = t[site.kind.lead]
         index, weight = t["index"].reshape(lead.shape[:-1]), t.get("weight")
-        if site.kind == "A":
+        if site.kind is SiteKind.NORM_MODULATE:
             return (ops.norm_modulate(lead, weight, t["shift"], t["scale"], index, **norm_flags),)
-        if site.kind == "B":
+        if site.kind is SiteKind.GATE_NORM_MODULATE:
             return ops.gate_norm_modulate(lead, t["gate"], t["branch"], weight, t["shift"], t["scale"], index,
                                           **norm_flags)
         return (ops.gate_residual(lead, t["gate"], t["branch"], index, **flags),)
@@ -83,4 +81,4 @@ def _erase_dead(graph: Graph, frontier: list[Node]) -> None:
             graph.erase_node(node)
 
 
-__all__ = ["OP_NAMES", "NoMatch", "replace_site", "replacement_fn"]
+__all__ = ["NoMatch", "replace_site", "replacement_fn"]

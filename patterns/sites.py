@@ -1,18 +1,23 @@
-"""Search side of the three modulation sites: structural matchers over post-grad FX graphs.
+"""Search side of the three modulation sites: structural matchers over aten FX graphs.
 
-Each ``match_*`` function takes the site's output node and returns a description of the site (its
-input nodes, the rounding points the graph performs, and the interior nodes a replacement removes)
-or raises ``NoMatch`` with the reason. Operand order of ``+`` and ``*`` does not matter; table upcasts
-(``.float()`` before or after the gather), ``.to(long)`` on the index and index views are looked
-through. Every check the fused op's contract needs is made here, so that a match is always safe.
+Each ``*_site`` function takes a candidate output node and returns a ``Site`` (its kind, its input nodes,
+the rounding points the graph performs, and the interior nodes a replacement removes) or raises
+``NoMatch`` with the reason. Operand order of ``+`` and ``*`` does not matter; table upcasts (``.float()``
+before or after the gather), ``.to(long)`` on the index and index views are looked through. Every check
+the fused op's contract needs is made here, so that a match is always safe. ``[R]`` marks a rounding the
+graph may or may not perform (the ``Site`` records which):
 
-Site A  y = [R](n * [R](1 + scale[idx]) + shift[idx]),  n = RMSNorm(x)       ``NormModulateSite``
-Site C  u = [R](res + [R](gate[idx] * branch))                             ``GateResidualSite``
-Site B  C followed by A on the stored residual u                          ``GateNormModulateSite``
+    SiteKind.NORM_MODULATE       (site A)  y = [R](n * [R](1 + scale[idx]) + shift[idx]),  n = RMSNorm(x)
+    SiteKind.GATE_RESIDUAL       (site C)  u = [R](res + [R](gate[idx] * branch))
+    SiteKind.GATE_NORM_MODULATE  (site B)  C followed by A on the stored residual u
+
+The graphs are Inductor's post-grad graphs (inference) or the aten graph the backend traces before
+autograd (training, ``h3_fused.training``); both spell the math with the ops ``graph_view`` names.
 """
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 import torch
@@ -258,11 +263,37 @@ def _numel(shape) -> object:
     return total
 
 
+class SiteKind(enum.Enum):
+    """What a site computes; its value is the name of the ``torch.ops.h3_fused`` op that replaces it."""
+
+    NORM_MODULATE = "norm_modulate"  # site A: y from x
+    GATE_NORM_MODULATE = "gate_norm_modulate"  # site B: (u, y) from residual, gate, branch
+    GATE_RESIDUAL = "gate_residual"  # site C: u from residual, gate, branch
+
+    @property
+    def letter(self) -> str:
+        """The spec's name of the site: ``A``, ``B`` or ``C``."""
+        return {"norm_modulate": "A", "gate_norm_modulate": "B", "gate_residual": "C"}[self.value]
+
+    @property
+    def has_norm(self) -> bool:
+        return self is not SiteKind.GATE_RESIDUAL
+
+    @property
+    def has_gate(self) -> bool:
+        return self is not SiteKind.NORM_MODULATE
+
+    @property
+    def lead(self) -> str:
+        """The input whose shape, dtype and device the outputs take."""
+        return "residual" if self.has_gate else "x"
+
+
 @dataclass
 class Site:
     """A matched site: what to call, with which input nodes, and which nodes it replaces."""
 
-    kind: str  # "A", "B" or "C"
+    kind: SiteKind
     outputs: list[Node]  # (y,), (u, y) or (u,)
     inputs: dict[str, Node | None]
     eps: float
@@ -272,7 +303,7 @@ class Site:
 
     @property
     def lead(self) -> Node:
-        return self.inputs["x"] if self.kind == "A" else self.inputs["residual"]
+        return self.inputs[self.kind.lead]
 
 
 def _upcast(gathers: list[Gather], compute: torch.dtype) -> bool:
@@ -301,7 +332,7 @@ def norm_modulate_site(y: Node) -> Site:
     interior = aff.nodes + norm.nodes + _gather_interior(gathers)
     interior = [n for n in interior if n is not y]
     check_site([y], gathers, norm.x, interior)
-    return Site("A", [y], dict(x=norm.x, weight=norm.weight, shift=aff.shift.table, scale=aff.scale.table,
+    return Site(SiteKind.NORM_MODULATE, [y], dict(x=norm.x, weight=norm.weight, shift=aff.shift.table, scale=aff.scale.table,
                                index=aff.scale.index), norm.eps, norm.rounds_before_weight, upcast, interior)
 
 
@@ -311,7 +342,7 @@ def gate_residual_site(u: Node) -> Site:
     upcast = _upcast([gated.gate], gated.product) if gated.product != act else False
     interior = [n for n in gated.nodes + _gather_interior([gated.gate]) if n is not u]
     check_site([u], [gated.gate], u, interior)
-    return Site("C", [u], dict(residual=gated.residual, gate=gated.gate.table, branch=gated.branch,
+    return Site(SiteKind.GATE_RESIDUAL, [u], dict(residual=gated.residual, gate=gated.gate.table, branch=gated.branch,
                                index=gated.gate.index), 0.0, False, upcast, interior)
 
 
@@ -327,7 +358,7 @@ def merge_gate_and_norm(c: Site, a: Site) -> Site:
                   index=c.inputs["index"])
     interior = c.interior + a.interior
     _check_interior(interior, set(interior) | {u, a.outputs[0]})
-    return Site("B", [u, a.outputs[0]], inputs, a.eps, a.norm_rounds_before_weight, a.upcast_tables, interior)
+    return Site(SiteKind.GATE_NORM_MODULATE, [u, a.outputs[0]], inputs, a.eps, a.norm_rounds_before_weight, a.upcast_tables, interior)
 
 
 def _anchor_top(node: Node) -> object:

@@ -8,22 +8,31 @@ from torch._dynamo.utils import counters
 # Keep CPU runs reproducible and inside the 2-core CI budget.
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
+INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
 
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
-    skip_gpu = pytest.mark.skip(reason="needs a CUDA device; run `pytest -m gpu` on the GPU box")
+    """GPU tests need a CUDA device; interpreted tests need ``TRITON_INTERPRET=1`` and a session of their own
+    (the variable makes every op on CPU tensors launch the interpreted kernel)."""
+    skips = {
+        "gpu": None if torch.cuda.is_available() else "needs a CUDA device",
+        "interpreted": None if INTERPRETING else "needs TRITON_INTERPRET=1 (python -m pytest -m interpreted)",
+    }
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip_gpu)
+        marked = [m for m in skips if m in item.keywords]
+        if INTERPRETING and "interpreted" not in marked:
+            item.add_marker(pytest.mark.skip(reason="runs without TRITON_INTERPRET=1"))
+        for mark in marked:
+            if skips[mark]:
+                item.add_marker(pytest.mark.skip(reason=skips[mark]))
 
 
 @pytest.fixture(scope="session", autouse=True)
 def probed_inductor_numerics(request):
     """Probe once, before any test compiles, whether Inductor reproduces eager on the CPU here (helpers.py).
-    Not for a session of GPU tests only (``pytest -m gpu``), which never ask: the probe compiles C++ and
-    took 74-78 s of the GPU suite on the H200 box (runs 56, 57)."""
-    if all("gpu" in item.keywords for item in request.session.items):
+    Not for a session without a test that compiles for the CPU (GPU or interpreted tests only): the probe
+    compiles C++, which costs a minute on a fresh machine."""
+    if all({"gpu", "interpreted"} & set(item.keywords) for item in request.session.items):
         return None
     from helpers import inductor_matches_eager_on_cpu
 

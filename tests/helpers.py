@@ -1,19 +1,17 @@
-"""Shared helpers of the tests: tiny models, counting fused ops that really ran, scripts run under the
-Triton interpreter."""
+"""Shared helpers of the tests: site tensors and their eager spellings, tiny models, counting fused ops that
+really ran, compiling a function with h3_fused against eager."""
 
 from __future__ import annotations
 
 import functools
-import os
-import subprocess
-import sys
 
 import h3_fused
-import pytest
 import torch
 import torch.nn.functional as F
 from minimax_h3 import H3Config, H3Model, Spellings, example_inputs, init_weights
+from torch._dynamo.utils import counters
 
+bf16 = torch.bfloat16
 FUSED_OP_EVENT = "h3_fused::reference_modulation"  # what every fused site runs on the CPU
 
 
@@ -87,10 +85,72 @@ def assert_bf16_policy(got, expected):
         torch.testing.assert_close(got, expected, rtol=0.05, atol=0.02 * expected.abs().max().item())
 
 
-def run_interpreted(script: str) -> str:
-    """``script`` in a fresh process under ``TRITON_INTERPRET=1``; its stdout, after it exits 0."""
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc.stdout
+def make_site_tensors(tokens=33, hidden=96, rows=6, dtype=bf16, table_dtype=None, lead=None, seed=0, index_dtype=torch.int64):
+    g = torch.Generator().manual_seed(seed)
+    table_dtype = table_dtype or dtype
+    shape = (*(lead or (tokens,)), hidden)
+    tables = (0.3 * torch.randn(rows, 6 * hidden, generator=g)).to(table_dtype).chunk(6, dim=-1)
+    return dict(
+        x=torch.randn(shape, generator=g).to(dtype),
+        branch=torch.randn(shape, generator=g).to(dtype),
+        weight=(1 + 0.1 * torch.randn(hidden, generator=g)).to(dtype),
+        shift=tables[0], scale=tables[1], gate=tables[2],
+        index=torch.randint(0, rows, shape[:-1], generator=g).to(index_dtype),
+    )
+
+
+def eager_norm(x, weight, eps, native):
+    if not native:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    x32 = x.float()
+    n = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return n * weight if weight is not None else n
+
+
+def eager_modulate(n, shift, scale, idx, upcast):
+    if upcast:
+        shift, scale = shift.float(), scale.float()
+    return (n * (1.0 + scale[idx.long()]) + shift[idx.long()]).to(n.dtype)
+
+
+def eager_gate(res, gate, branch, idx, upcast):
+    if upcast:
+        gate = gate.float()
+    return (res + gate[idx.long()] * branch).to(res.dtype)
+
+
+H, K, T = 64, 6, 16
+
+
+def inputs():
+    """Tensors of a small site (H = 64, K = 6, T = 16): x, branch, weight, three table views, two indices."""
+    g = torch.Generator().manual_seed(0)
+    tables = (0.3 * torch.randn(K, 6 * H, generator=g)).to(bf16).chunk(6, -1)
+    return dict(x=torch.randn(T, H, generator=g).to(bf16), b=torch.randn(T, H, generator=g).to(bf16),
+                w=(1 + 0.1 * torch.randn(H, generator=g)).to(bf16), shift=tables[0], scale=tables[1],
+                gate=tables[2], idx=torch.randint(0, K, (T,), generator=g),
+                idx2=torch.randint(0, K, (T,), generator=g))
+
+
+def site_a(x, b, w, shift, scale, gate, idx, idx2):
+    n = F.rms_norm(x, (H,), w, 1e-5)
+    return n * (1 + scale.index_select(0, idx)) + shift.index_select(0, idx)
+
+
+def as_tuple(out):
+    return out if isinstance(out, tuple) else (out,)
+
+
+def fused_count(fn) -> int:
+    """Sites fused in ``fn``, after checking what the compiled ``fn`` computes: what eager computes
+    under ``bf16``, and when nothing fused, exactly what Inductor computes (the graph was left alone)."""
+    t = inputs()
+    expected = fn(**t)
+    got = torch.compile(fn, backend="h3_fused", options={"dtype_policy": "bf16"})(**t)
+    fused = sum(v for k, v in counters["h3_fused"].items() if k != "refused")
+    for e, g in zip(as_tuple(expected), as_tuple(got)):
+        assert_bf16_policy(g, e)
+    if fused == 0:
+        untouched = torch.compile(fn, options={"emulate_precision_casts": True})(**t)
+        assert all(torch.equal(u, g) for u, g in zip(as_tuple(untouched), as_tuple(got)))
+    return fused

@@ -1,0 +1,74 @@
+"""Host time per call of each way to run a site, and where the calls spend it.
+
+    python benchmarks/bench_host.py [--sites A B C] [--tokens 3072] [--calls 300]
+        [--profile public_op dispatched_op check_args bare_launch in_graph]
+
+For each site: the microseconds of host time per call, ``--calls`` calls back to back with one
+synchronisation at the end (a call that outruns the GPU queues work, so this is the host's rate, not
+the device's), for the public function (``public_op``: ``h3_fused.kernels.norm_modulate`` etc.; in eager
+the op's body without the dispatcher: argument checks, output allocation, launch), the op through the
+dispatcher (``dispatched_op``: ``torch.ops.h3_fused.*``, as a tracer or mode sees it), the argument checks
+alone (``check_args``), the bare launch
+(``bare_launch``: ``sites.kernel_launch``, arguments checked once, outputs allocated once, Triton's
+launcher only) and the op inside a compiled graph (``in_graph``); then the ``cProfile`` of the calls of
+each way named in ``--profile``, the functions with the most own time first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import sys
+import time
+
+import torch
+from h3_fused.kernels.arguments import check_args
+from sites import fused_site, kernel_launch, make_inputs
+
+
+def host_us_per_call(call, calls: int) -> float:
+    for _ in range(10):
+        call()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        call()
+    host = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return host / calls * 1e6
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sites", nargs="+", default=["A", "B", "C"], choices=["A", "B", "C"])
+    parser.add_argument("--tokens", type=int, default=3072)
+    parser.add_argument("--calls", type=int, default=300)
+    parser.add_argument("--profile", nargs="*", default=["public_op", "in_graph"],
+                        choices=["public_op", "dispatched_op", "check_args", "bare_launch", "in_graph"])
+    parser.add_argument("--profile-lines", type=int, default=25)
+    args = parser.parse_args()
+    for site in args.sites:
+        inputs = make_inputs(site, args.tokens)
+        op = fused_site(site, "bf16")
+        compiled = torch.compile(fused_site(site, "bf16"))
+        dispatched = fused_site(site, "bf16", dispatcher=True)
+        ways = {"public_op": lambda: op(**inputs), "dispatched_op": lambda: dispatched(**inputs),
+                "check_args": lambda: check_args(**inputs, policy="bf16", has_norm=site != "C"),
+                "bare_launch": kernel_launch(site, inputs, "bf16"), "in_graph": lambda: compiled(**inputs)}
+        times = {name: host_us_per_call(call, args.calls) for name, call in ways.items()}
+        print(f"{site} T={args.tokens}: " + "  ".join(f"{name} {us:6.1f} us" for name, us in times.items()),
+              flush=True)
+        for name in args.profile:
+            print(f"{site} T={args.tokens}, {name}:")
+            profile = cProfile.Profile()
+            profile.enable()
+            for _ in range(args.calls):
+                ways[name]()
+            profile.disable()
+            torch.cuda.synchronize()
+            pstats.Stats(profile, stream=sys.stdout).sort_stats("tottime").print_stats(args.profile_lines)
+
+
+if __name__ == "__main__":
+    main()

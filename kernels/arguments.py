@@ -1,0 +1,133 @@
+"""Argument checking for the fused modulation ops.
+
+Every op reads activations ``[..., H]`` as ``R`` rows of ``H`` (row-strided views are read in place;
+other layouts are copied), tables ``[K, H]`` with any row stride, and an int32/int64 ``index`` shaped
+like the activations without the last dim. Bad input raises ``ValueError``/``TypeError`` naming the
+argument.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .contract import Rounding, rounding_for
+from .policy import check_policy, resolve_policy
+
+ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+TABLE_DTYPES = ACTIVATION_DTYPES
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def check_tensor(name: str, t: object, dtypes) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        raise TypeError(f"{name} must have dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
+    return t
+
+
+def as_rows(name: str, t: torch.Tensor, hidden: int) -> torch.Tensor:
+    """``[..., H]`` as ``[R, H]`` with unit column stride: a view when the layout allows, else a copy."""
+    if t.dim() < 1 or t.shape[-1] != hidden:
+        raise ValueError(f"{name} must have last dim H={hidden}, got shape {tuple(t.shape)}")
+    rows = t.reshape(-1, hidden)
+    return rows if rows.stride(1) == 1 or hidden == 1 else rows.contiguous()
+
+
+def check_table(name: str, t: object, hidden: int) -> torch.Tensor:
+    check_tensor(name, t, TABLE_DTYPES)
+    if t.dim() != 2 or t.shape[1] != hidden:
+        raise ValueError(f"{name} must be a [K, H={hidden}] table, got shape {tuple(t.shape)}")
+    if t.shape[0] == 0:
+        raise ValueError(f"{name} must have at least one row")
+    return t if t.stride(1) == 1 else t.contiguous()
+
+
+@dataclass(frozen=True)
+class ModulationArgs:
+    """Checked, flattened arguments of one fused call (``None`` where a site does not use one)."""
+
+    x: torch.Tensor | None  # site A input rows
+    residual: torch.Tensor | None  # sites B, C
+    branch: torch.Tensor | None
+    gate: torch.Tensor | None
+    weight: torch.Tensor | None
+    shift: torch.Tensor | None
+    scale: torch.Tensor | None
+    index: torch.Tensor
+    out_shape: torch.Size
+    dtype: torch.dtype
+    device: torch.device
+    eps: float
+    policy: str
+    rounding: Rounding
+
+    @property
+    def rows(self) -> int:
+        return self.index.numel()
+
+    @property
+    def hidden(self) -> int:
+        return self.out_shape[-1]
+
+    @property
+    def num_table_rows(self) -> int:
+        return min(t.shape[0] for t in (self.gate, self.shift, self.scale) if t is not None)
+
+
+def check_args(*, x=None, residual=None, branch=None, gate=None, weight=None, shift=None, scale=None,
+               index, eps: float = 0.0, policy: str, norm_rounds_before_weight: bool = False,
+               upcast_tables: bool = False, has_norm: bool) -> ModulationArgs:
+    check_policy(policy)
+    lead = x if x is not None else residual
+    lead_name = "x" if x is not None else "residual"
+    check_tensor(lead_name, lead, ACTIVATION_DTYPES)
+    if lead.dim() < 1:
+        raise ValueError(f"{lead_name} must have at least one dim [..., H], got a scalar")
+    hidden = lead.shape[-1]
+    dtype, device, shape = lead.dtype, lead.device, lead.shape
+    if branch is not None:
+        check_tensor("branch", branch, ACTIVATION_DTYPES)
+        if branch.shape != shape:
+            raise ValueError(f"branch must have the shape of residual {tuple(shape)}, got {tuple(branch.shape)}")
+        if branch.dtype != dtype:
+            raise TypeError(f"branch must have the dtype of residual ({dtype}), got {branch.dtype}")
+    check_tensor("index", index, INDEX_DTYPES)
+    if index.shape != shape[:-1]:
+        raise ValueError(f"index must have the shape of the activations without the last dim "
+                         f"{tuple(shape[:-1])}, got {tuple(index.shape)}")
+    tables = {"gate": gate, "shift": shift, "scale": scale}
+    tables = {k: check_table(k, v, hidden) for k, v in tables.items() if v is not None}
+    if shift is not None and scale is not None:
+        if tables["shift"].dtype != tables["scale"].dtype:
+            raise TypeError(f"shift and scale must share a dtype, got {shift.dtype} and {scale.dtype}")
+        if shift.shape[0] != scale.shape[0]:
+            raise ValueError(f"shift and scale must have the same rows K, got {shift.shape[0]} and {scale.shape[0]}")
+    if weight is not None:
+        check_tensor("weight", weight, ACTIVATION_DTYPES)
+        if weight.shape != (hidden,):
+            raise ValueError(f"weight must have shape [H={hidden}], got {tuple(weight.shape)}")
+        if weight.dtype not in (dtype, torch.float32):  # as RMSNorm: the input's dtype, or fp32 master weights
+            raise TypeError(f"weight must have the dtype of {lead_name} ({dtype}) or torch.float32, got {weight.dtype}")
+        weight = weight.contiguous()
+    if has_norm:
+        if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not eps >= 0:
+            raise ValueError(f"eps must be a non-negative float, got {eps!r}")
+    named = {lead_name: lead, "branch": branch, "index": index, "weight": weight, **tables}
+    for name, t in named.items():
+        if t is not None and t.device != device:
+            raise ValueError(f"{name} is on {t.device} but {lead_name} is on {device}")
+    resolved = resolve_policy(policy, device)
+    rounding = rounding_for(resolved, dtype, tables["gate"].dtype if "gate" in tables else None,
+                            tables["shift"].dtype if "shift" in tables else None,
+                            norm_rounds_before_weight=norm_rounds_before_weight, upcast_tables=upcast_tables)
+    return ModulationArgs(
+        x=as_rows("x", x, hidden) if x is not None else None,
+        residual=as_rows("residual", residual, hidden) if residual is not None else None,
+        branch=as_rows("branch", branch, hidden) if branch is not None else None,
+        gate=tables.get("gate"), weight=weight, shift=tables.get("shift"), scale=tables.get("scale"),
+        index=index.reshape(-1), out_shape=shape, dtype=dtype, device=device, eps=float(eps),
+        policy=resolved, rounding=rounding,
+    )

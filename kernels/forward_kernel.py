@@ -1,0 +1,314 @@
+"""The forward kernel: one parameterised Triton kernel for the three modulation sites (device code only;
+``launch.py`` chooses its configuration and launches it).
+
+Per row ``t`` (``i = index[t]``, arithmetic in fp32 unless said below, ``R`` = round to the activation dtype):
+
+    site B/C:  g = gate[i] * branch            (R if ROUND_GATE)
+               u = R(residual + g)             -> stored (B, C; one FMA with the product if FUSE_MULTIPLY_ADD)
+    site A:    u = x
+    site A/B:  r = rsqrt(sum(u*u) * (1/H) + eps)
+               n = u * r                       (R if ROUND_NORM_BEFORE_WEIGHT, then * w if HAS_WEIGHT)
+               n = R(n) if ROUND_NORM
+               p = 1 + scale[i]                (R if ROUND_AFFINE)
+               q = n * p                       (R if ROUND_AFFINE; fused with the add if FUSE_MULTIPLY_ADD)
+               y = R(q + shift[i])             -> stored (A, B)
+
+The ``ROUND_*`` and ``FUSE_MULTIPLY_ADD`` flags are ``contract.Rounding``'s fields, one for one.
+
+Each program holds ``BLOCK_T`` whole rows in registers, read in chunks of ``CHUNK`` columns; the chunks
+of ``u`` stay in registers (in the activation dtype) from the sum of squares to the modulation. Each
+chunk's weight, ``scale[i]`` and ``shift[i]`` are loaded just before their use, or, under
+``PRELOAD_TABLE_CHUNKS``, one chunk early (the first chunk's before the reduction, the next chunk's before
+each ``y`` store); the order changes no result. Two ways of bringing table rows into L2 before the rows
+that need them ask for them, neither of which changes a result:
+
+- ``WARM_ROWS_AHEAD``: after its stores, every few programs read the table rows of the row that many rows
+  on (``_touch_coming_table_rows``); where the index comes in runs, as in the model, the programs that
+  start a new run find its table rows in L2 instead of waiting on DRAM.
+- ``WARM_TABLES_FIRST``: the kernel's first programs hold no rows; they read every table row and the
+  weight (``_touch_table_rows``), ahead of the activations the programs of rows request after them.
+
+An out-of-range index never reads out of bounds (it is clamped for the loads) and fails a device-side
+assertion: the kernel is compiled with ``debug=True`` for direct launches, and Inductor compiles it
+with assertions on (``assert_indirect_indexing``, its default). docs/DESIGN.md gives the reason for each
+choice and what it measured.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .device_math import mul_rn, rounded, rounded_product, rsqrt, sum_rounded_once, widened
+
+
+@triton.jit
+def _touch_sectors(row_ptrs, line, quarter, selected, valid, HIDDEN: tl.constexpr):
+    """One element of quarter ``quarter`` (a 32-byte sector) of 128-byte line ``line`` (taken modulo the
+    row's lines) of each table row ``row_ptrs`` points to, where ``selected`` and ``valid``: a
+    ``volatile`` load whose result is unused. The line's width in elements follows the table's dtype."""
+    per_line: tl.constexpr = 1024 // row_ptrs.dtype.element_ty.primitive_bitwidth
+    lines_per_row: tl.constexpr = (HIDDEN + per_line - 1) // per_line
+    col = (line % lines_per_row) * per_line + quarter * (per_line // 4)
+    tl.load(row_ptrs + col, mask=selected & (col < HIDDEN) & valid, volatile=True)
+
+
+@triton.jit
+def _touch_coming_table_rows(program, idx_ptr, shift_ptr, scale_ptr, gate_ptr, n_rows, num_table_rows,
+                             stride_shift, stride_scale, stride_gate, HIDDEN: tl.constexpr, HAS_GATE: tl.constexpr,
+                             BLOCK_T: tl.constexpr, WARM_ROWS_AHEAD: tl.constexpr, WARMING_LANES: tl.constexpr):
+    """Warms L2 with the table rows the kernel will read ``WARM_ROWS_AHEAD`` rows on. Every ``GROUP``-th program
+    (``program``, counting the programs of rows, int64; ``GROUP = WARMING_LANES // 16``, at least 1) reads
+    ``k = index[its first row + WARM_ROWS_AHEAD]`` and then, one lane
+    each, one element of every 32-byte sector of ``GROUP`` consecutive lines, from line ``program_id mod
+    lines-per-row`` on, of ``shift[k]``, ``scale[k]`` and (site B) ``gate[k]``: between them the
+    programs cover whole rows. ``shift`` and ``scale`` share a dtype; ``gate``, whose dtype may differ,
+    has a load of its own.
+    Where the index comes in runs, the programs ``WARM_ROWS_AHEAD`` rows before a run's start bring its new table
+    rows from DRAM; elsewhere the sectors are already in L2. The loads are ``volatile`` (their results
+    are unused, and the compiler keeps them) and plain, which Inductor's analysis of the kernel
+    understands, unlike inline assembly such as ``prefetch``. An index out of range, or past the last
+    row, reads nothing. Changes no result."""
+    GROUP: tl.constexpr = WARMING_LANES // 16 if WARMING_LANES >= 16 else 1
+    if program % GROUP == 0:
+        lane = tl.arange(0, WARMING_LANES).to(tl.int64)
+        coming_row = program * BLOCK_T + WARM_ROWS_AHEAD + 0 * lane  # every lane reads it: one request per warp
+        k = tl.load(idx_ptr + coming_row, mask=coming_row < n_rows, other=-1)
+        valid = (k >= 0) & (k < num_table_rows)
+        k = tl.where(valid, k, 0)
+        which = lane // (4 * GROUP)
+        line = program + (lane // 4) % GROUP
+        modulation = tl.where(which == 0, shift_ptr + k * stride_shift, scale_ptr + k * stride_scale)
+        _touch_sectors(modulation, line, lane % 4, which < 2, valid, HIDDEN)
+        if HAS_GATE:
+            _touch_sectors(gate_ptr + k * stride_gate, line, lane % 4, which == 2, valid, HIDDEN)
+
+
+@triton.jit
+def _chunk(c: tl.constexpr, row_ok, CHUNK: tl.constexpr, HIDDEN: tl.constexpr):
+    """The lanes of chunk ``c`` (its columns are ``c * CHUNK + lanes``) and the load/store mask (a column
+    test only in the chunk that crosses ``H``).
+
+    Column offsets are added to pointers, never to int32 tensors: with ``debug=True`` (which keeps the
+    index assertion) Triton checks every int32 add for overflow, each with an assertion and a barrier.
+    """
+    lanes = tl.arange(0, CHUNK)
+    mask = row_ok[:, None] & (lanes < HIDDEN - c * CHUNK)[None, :] if (c + 1) * CHUNK > HIDDEN else row_ok[:, None]
+    return lanes, mask
+
+
+@triton.jit
+def _new_residual(
+    x_ptr, res_ptr, branch_ptr, gate_ptr, u_ptr, rows, idx, zero, start: tl.constexpr, lanes, mask,
+    stride_x, stride_res, stride_branch, stride_gate,
+    HIDDEN: tl.constexpr, HAS_GATE: tl.constexpr, ROUND_GATE: tl.constexpr, FUSE_MULTIPLY_ADD: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):
+    """One chunk of ``u`` in the activation dtype: the gated residual (sites B, C; stored by the caller), or
+    the loaded ``x``.
+
+    The activations are read once, so they bypass L1 (``.cg``), leaving it to the table rows that every
+    program on the SM reads again (docs/DESIGN.md, "Cache hints")."""
+    if HAS_GATE:
+        act: tl.constexpr = u_ptr.dtype.element_ty
+        res = tl.load(res_ptr + rows[:, None] * stride_res + start + lanes[None, :], mask=mask, other=0.0,
+                      cache_modifier=".cg")
+        branch = tl.load(branch_ptr + rows[:, None] * stride_branch + start + lanes[None, :], mask=mask, other=0.0,
+                         cache_modifier=".cg")
+        gate = tl.load(gate_ptr + idx[:, None] * stride_gate + start + lanes[None, :], mask=mask, other=0.0)
+        if FUSE_MULTIPLY_ADD and gate.dtype == act:
+            u = sum_rounded_once(gate, branch, res, INTERPRETED)
+        elif FUSE_MULTIPLY_ADD:  # explicit, whatever Triton's default for contracting multiply-adds
+            u = tl.fma(gate.to(tl.float32), branch.to(tl.float32), res.to(tl.float32))
+        elif ROUND_GATE:
+            u = res.to(tl.float32) + rounded_product(gate.to(tl.float32), branch.to(tl.float32), zero, act, INTERPRETED)
+        else:
+            u = res.to(tl.float32) + mul_rn(gate.to(tl.float32), branch.to(tl.float32), zero)
+        u = rounded(u, act, INTERPRETED).to(act)
+    else:
+        u = tl.load(x_ptr + rows[:, None] * stride_x + start + lanes[None, :], mask=mask, other=0.0,
+                    cache_modifier=".cg")
+    return u
+
+
+@triton.jit
+def _weight_chunk(w_ptr, start: tl.constexpr, lanes, HIDDEN: tl.constexpr):
+    """The weight's chunk as a ``[1, CHUNK]`` row, in the layout of the activations (a 1-D load would be
+    converted through shared memory, with barriers, in every chunk)."""
+    return tl.load(w_ptr + start + lanes[None, :], mask=(lanes < HIDDEN - start)[None, :], other=0.0)
+
+
+@triton.jit
+def _table_chunk(table_ptr, idx, start: tl.constexpr, lanes, mask, stride):
+    """Chunk ``start`` of row ``idx`` of a ``[K, H]`` table."""
+    return tl.load(table_ptr + idx[:, None] * stride + start + lanes[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
+def _tables_chunk(w_ptr, shift_ptr, scale_ptr, idx, c: tl.constexpr, row_ok, stride_shift, stride_scale,
+                  HIDDEN: tl.constexpr, CHUNK: tl.constexpr, HAS_WEIGHT: tl.constexpr):
+    """Chunk ``c`` of the weight (0.0 without one), ``scale[i]`` and ``shift[i]``, for ``PRELOAD_TABLE_CHUNKS``."""
+    lanes, mask = _chunk(c, row_ok, CHUNK, HIDDEN)
+    w = _weight_chunk(w_ptr, c * CHUNK, lanes, HIDDEN) if HAS_WEIGHT else 0.0
+    return (w, _table_chunk(scale_ptr, idx, c * CHUNK, lanes, mask, stride_scale),
+            _table_chunk(shift_ptr, idx, c * CHUNK, lanes, mask, stride_shift))
+
+
+@triton.jit
+def _modulated(
+    u, r, w_ptr, shift_ptr, scale_ptr, y_ptr, idx, zero, start: tl.constexpr, lanes, mask,
+    stride_shift, stride_scale, tables,
+    HIDDEN: tl.constexpr, HAS_WEIGHT: tl.constexpr, ROUND_NORM: tl.constexpr,
+    ROUND_NORM_BEFORE_WEIGHT: tl.constexpr, ROUND_AFFINE: tl.constexpr, FUSE_MULTIPLY_ADD: tl.constexpr,
+    INTERPRETED: tl.constexpr, PRELOAD_TABLE_CHUNKS: tl.constexpr,
+):
+    """One chunk of ``y = R(R(norm(u)) * R(1 + scale[i]) + shift[i])`` (roundings as the flags say), returned
+    in the activation dtype for the caller to store. The weight, scale and shift chunks are ``tables``
+    (loaded by the caller) under ``PRELOAD_TABLE_CHUNKS``, else loaded here, each just before its first use."""
+    act: tl.constexpr = y_ptr.dtype.element_ty
+    n = u * r[:, None]
+    if HAS_WEIGHT:
+        w = tables[0] if PRELOAD_TABLE_CHUNKS else _weight_chunk(w_ptr, start, lanes, HIDDEN)
+        if ROUND_NORM_BEFORE_WEIGHT:
+            n = rounded(n, act, INTERPRETED)
+        n = n * widened(w)
+    if ROUND_NORM:
+        n = rounded(n, act, INTERPRETED)
+    scale = tables[1] if PRELOAD_TABLE_CHUNKS else _table_chunk(scale_ptr, idx, start, lanes, mask, stride_scale)
+    shift = tables[2] if PRELOAD_TABLE_CHUNKS else _table_chunk(shift_ptr, idx, start, lanes, mask, stride_shift)
+    if ROUND_AFFINE:  # a plain conversion: LLVM narrows the rounded affine to packed bf16 arithmetic
+        scale, shift = scale.to(tl.float32), shift.to(tl.float32)
+        p = rounded(1.0 + scale, act, INTERPRETED)
+    else:
+        scale, shift = widened(scale), widened(shift)
+        p = 1.0 + scale
+    if FUSE_MULTIPLY_ADD:
+        y = tl.fma(n, p, shift)
+    elif ROUND_AFFINE:
+        y = rounded_product(n, p, zero, act, INTERPRETED) + shift
+    else:
+        y = mul_rn(n, p, zero) + shift
+    return rounded(y, act, INTERPRETED).to(act)
+
+
+@triton.jit
+def _touch_table_rows(program, w_ptr, shift_ptr, scale_ptr, gate_ptr, num_table_rows, stride_shift, stride_scale,
+                      stride_gate, HIDDEN: tl.constexpr, HAS_GATE: tl.constexpr, HAS_NORM: tl.constexpr,
+                      HAS_WEIGHT: tl.constexpr, WARMING_LANES: tl.constexpr):
+    """Warming program ``program`` (int64) of the kernel's first ones (``WARM_TABLES_FIRST``): one element of each
+    of ``WARMING_LANES`` consecutive 32-byte sectors, one per lane, of every table row the site reads, taken in
+    order (the rows of ``shift`` and ``scale``, of ``gate``, then the weight), read with ``volatile`` loads
+    whose results are unused. Between them the warming programs cover every row, so that the rows arrive
+    in L2 ahead of the activations the programs of rows request after them, instead of behind them.
+    Changes no result."""
+    sector = program * WARMING_LANES + tl.arange(0, WARMING_LANES).to(tl.int64)
+    table_rows = num_table_rows + 0 * program  # int64, also where Triton or Inductor made the count a constant
+    rest = sector
+    if HAS_NORM:  # shift and scale share a dtype
+        per_sector: tl.constexpr = 256 // shift_ptr.dtype.element_ty.primitive_bitwidth
+        row_sectors: tl.constexpr = (HIDDEN + per_sector - 1) // per_sector
+        row = rest // row_sectors
+        table = tl.where(row < table_rows, shift_ptr + row * stride_shift, scale_ptr + (row - table_rows) * stride_scale)
+        tl.load(table + (rest % row_sectors) * per_sector, mask=row < 2 * table_rows, volatile=True)
+        rest -= 2 * table_rows * row_sectors
+    if HAS_GATE:
+        gate_per_sector: tl.constexpr = 256 // gate_ptr.dtype.element_ty.primitive_bitwidth
+        gate_row_sectors: tl.constexpr = (HIDDEN + gate_per_sector - 1) // gate_per_sector
+        row = rest // gate_row_sectors
+        tl.load(gate_ptr + row * stride_gate + (rest % gate_row_sectors) * gate_per_sector,
+                mask=(rest >= 0) & (row < table_rows), volatile=True)
+        rest -= table_rows * gate_row_sectors
+    if HAS_WEIGHT:
+        w_per_sector: tl.constexpr = 256 // w_ptr.dtype.element_ty.primitive_bitwidth
+        tl.load(w_ptr + rest * w_per_sector, mask=(rest >= 0) & (rest * w_per_sector < HIDDEN), volatile=True)
+
+
+@triton.jit
+def _modulate_rows(
+    program, x_ptr, res_ptr, branch_ptr, gate_ptr, w_ptr, shift_ptr, scale_ptr, idx_ptr, u_ptr, y_ptr,
+    n_rows, num_table_rows, eps,
+    stride_x, stride_res, stride_branch, stride_gate, stride_shift, stride_scale,
+    HIDDEN: tl.constexpr, HAS_GATE: tl.constexpr, HAS_NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+    ROUND_GATE: tl.constexpr, ROUND_NORM: tl.constexpr, ROUND_NORM_BEFORE_WEIGHT: tl.constexpr,
+    ROUND_AFFINE: tl.constexpr, FUSE_MULTIPLY_ADD: tl.constexpr, INTERPRETED: tl.constexpr, BLOCK_T: tl.constexpr,
+    CHUNK: tl.constexpr, PRELOAD_TABLE_CHUNKS: tl.constexpr, WARM_ROWS_AHEAD: tl.constexpr, WARMING_LANES: tl.constexpr,
+):
+    """The rows of program ``program`` (int64), counting the programs of rows."""
+    rows = program * BLOCK_T + tl.arange(0, BLOCK_T)
+    row_ok = rows < n_rows
+    idx = tl.load(idx_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+    bad = row_ok & ((idx < 0) | (idx >= num_table_rows))
+    zero = (idx < 0).to(tl.int32)[:, None]  # 0 wherever the result is defined (see ``device_math.mul_rn``)
+    idx = tl.where(bad, 0, idx)  # every load reads in bounds, whatever the index
+
+    kept = ()  # the row's chunks of u, in the activation dtype (exact: u is rounded to it or loaded in it)
+    squares = tl.zeros([BLOCK_T, CHUNK], tl.float32)
+    for c in tl.static_range(triton.cdiv(HIDDEN, CHUNK)):
+        lanes, mask = _chunk(c, row_ok, CHUNK, HIDDEN)
+        u = _new_residual(x_ptr, res_ptr, branch_ptr, gate_ptr, u_ptr, rows, idx, zero, c * CHUNK, lanes, mask,
+                          stride_x, stride_res, stride_branch, stride_gate, HIDDEN, HAS_GATE, ROUND_GATE,
+                          FUSE_MULTIPLY_ADD, INTERPRETED)
+        if HAS_NORM:
+            wide = widened(u)
+            squares += wide * wide
+        kept = kept + (u,)
+    tables = (0.0, 0.0, 0.0)
+    if HAS_NORM and PRELOAD_TABLE_CHUNKS and HAS_GATE:  # site B: arriving while the row is reduced (after the check: slower)
+        tables = _tables_chunk(w_ptr, shift_ptr, scale_ptr, idx, 0, row_ok, stride_shift, stride_scale, HIDDEN,
+                               CHUNK, HAS_WEIGHT)
+    if HAS_GATE:  # after every chunk's loads: a store may alias them, so no load could move above it
+        for c in tl.static_range(triton.cdiv(HIDDEN, CHUNK)):
+            lanes, mask = _chunk(c, row_ok, CHUNK, HIDDEN)
+            tl.store(u_ptr + rows[:, None] * HIDDEN + c * CHUNK + lanes[None, :], kept[c], mask=mask)
+    # after the activation loads: a load may not move above the assertion's call, which would otherwise
+    # hold the row's loads until the index arrives (docs/DESIGN.md, "The index assertion's place")
+    tl.device_assert(~bad, "h3_fused: index out of range [0, K)")
+    if HAS_NORM and PRELOAD_TABLE_CHUNKS and not HAS_GATE:  # site A: after the assertion, so that ptxas does not
+        # compute their addresses, which wait for the index, before issuing the activation loads
+        tables = _tables_chunk(w_ptr, shift_ptr, scale_ptr, idx, 0, row_ok, stride_shift, stride_scale, HIDDEN,
+                               CHUNK, HAS_WEIGHT)
+    if HAS_NORM:
+        # fp32 constants and scalars (Inductor may pass eps as a constexpr float, which computes in fp64)
+        mean_square = tl.sum(squares, axis=1) * tl.cast(1.0 / HIDDEN, tl.float32)
+        r = rsqrt(mean_square + tl.cast(eps, tl.float32), INTERPRETED)
+        chunks: tl.constexpr = triton.cdiv(HIDDEN, CHUNK)
+        for c in tl.static_range(chunks):
+            lanes, mask = _chunk(c, row_ok, CHUNK, HIDDEN)
+            current = tables
+            if PRELOAD_TABLE_CHUNKS and c + 1 < chunks:  # the next chunk's, before this chunk's store (which may alias them)
+                tables = _tables_chunk(w_ptr, shift_ptr, scale_ptr, idx, c + 1, row_ok, stride_shift, stride_scale,
+                                       HIDDEN, CHUNK, HAS_WEIGHT)
+            y = _modulated(widened(kept[c]), r, w_ptr, shift_ptr, scale_ptr, y_ptr, idx, zero, c * CHUNK, lanes,
+                           mask, stride_shift, stride_scale, current, HIDDEN, HAS_WEIGHT, ROUND_NORM,
+                           ROUND_NORM_BEFORE_WEIGHT, ROUND_AFFINE, FUSE_MULTIPLY_ADD, INTERPRETED, PRELOAD_TABLE_CHUNKS)
+            tl.store(y_ptr + rows[:, None] * HIDDEN + c * CHUNK + lanes[None, :], y, mask=mask)
+    if WARM_ROWS_AHEAD > 0 and HAS_NORM:  # last: no register of the row is live any more
+        _touch_coming_table_rows(program, idx_ptr, shift_ptr, scale_ptr, gate_ptr, n_rows, num_table_rows,
+                                 stride_shift, stride_scale, stride_gate, HIDDEN, HAS_GATE, BLOCK_T, WARM_ROWS_AHEAD, WARMING_LANES)
+
+
+@triton.jit(debug=True)
+def modulation_kernel(
+    x_ptr, res_ptr, branch_ptr, gate_ptr, w_ptr, shift_ptr, scale_ptr, idx_ptr, u_ptr, y_ptr,
+    n_rows, num_table_rows, eps,
+    stride_x, stride_res, stride_branch, stride_gate, stride_shift, stride_scale,
+    HIDDEN: tl.constexpr, HAS_GATE: tl.constexpr, HAS_NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+    ROUND_GATE: tl.constexpr, ROUND_NORM: tl.constexpr, ROUND_NORM_BEFORE_WEIGHT: tl.constexpr,
+    ROUND_AFFINE: tl.constexpr, FUSE_MULTIPLY_ADD: tl.constexpr, INTERPRETED: tl.constexpr, BLOCK_T: tl.constexpr,
+    CHUNK: tl.constexpr, PRELOAD_TABLE_CHUNKS: tl.constexpr, WARM_ROWS_AHEAD: tl.constexpr, WARM_TABLES_FIRST: tl.constexpr,
+    WARMING_LANES: tl.constexpr,
+):
+    program = tl.program_id(0).to(tl.int64)  # int64 throughout: no int32 overflow checks under debug=True
+    warming: tl.constexpr = 0
+    if WARM_TABLES_FIRST:  # the programs beyond the rows' come first (``launch.warming_program_count``)
+        rows_programs = (n_rows + 0 * program + BLOCK_T - 1) // BLOCK_T  # ``n_rows`` may be a constant: no ``.to``
+        warming = tl.num_programs(0).to(tl.int64) - rows_programs
+    if WARM_TABLES_FIRST and program < warming:
+        _touch_table_rows(program, w_ptr, shift_ptr, scale_ptr, gate_ptr, num_table_rows, stride_shift,
+                          stride_scale, stride_gate, HIDDEN, HAS_GATE, HAS_NORM, HAS_WEIGHT, WARMING_LANES)
+    else:
+        _modulate_rows(program - warming, x_ptr, res_ptr, branch_ptr, gate_ptr, w_ptr, shift_ptr, scale_ptr, idx_ptr,
+                       u_ptr, y_ptr, n_rows, num_table_rows, eps, stride_x, stride_res, stride_branch, stride_gate,
+                       stride_shift, stride_scale, HIDDEN, HAS_GATE, HAS_NORM, HAS_WEIGHT, ROUND_GATE, ROUND_NORM,
+                       ROUND_NORM_BEFORE_WEIGHT, ROUND_AFFINE, FUSE_MULTIPLY_ADD, INTERPRETED, BLOCK_T, CHUNK,
+                       PRELOAD_TABLE_CHUNKS, WARM_ROWS_AHEAD, WARMING_LANES)

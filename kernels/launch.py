@@ -1,0 +1,155 @@
+"""Host side of the forward kernel: its launch configuration, its constexpr specialisation, the launch.
+
+Every rule here was chosen side by side on the H200 at H = 5,376 (and at H = 2,048-16,384 where a rule
+depends on H), with the outputs unchanged; docs/DESIGN.md has one section per rule (what it does, why,
+what it measured) and the configurations measured and rejected.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from .arguments import ModulationArgs
+from .contract import Rounding
+from .forward_kernel import modulation_kernel
+
+MAX_BLOCK_H = 32768
+FEWEST_ROWS = 1024  # up to this many rows site A runs on 8 warps
+FEW_ROWS = 6144  # up to this many rows site B runs on 8 warps
+SITE_A_NARROW_H = 2048  # up to this H site A preloads its table chunks only up to SITE_A_FEW_ROWS rows
+SITE_A_FEW_ROWS = 16384
+MIN_WARPS = 4  # the fewest warps a program runs on
+WARM_ROWS_AHEAD = 1024  # each program warms L2 with the table rows of the row this many rows on
+WARM_TABLES_MAX_BYTES = 4 << 20  # tables larger than this are not warmed as the kernel starts
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """How the forward kernel runs: ``block_t`` rows per program, each read in chunks of ``chunk`` columns, on
+    ``num_warps`` warps; the kernel's knobs of the same names in capitals:
+
+    - ``preload_table_chunks``: the norm's weight, ``scale[i]`` and ``shift[i]`` chunks loaded one chunk early;
+    - ``warm_rows_ahead``: each program warms L2 with the table rows of the row this many rows on (0: none);
+    - ``warm_tables_first``: warming programs ahead of the programs of rows bring every table row and the
+      weight into L2 as the kernel starts (``warming_program_count`` of them).
+    """
+
+    block_t: int
+    chunk: int
+    num_warps: int
+    preload_table_chunks: bool = False
+    warm_rows_ahead: int = WARM_ROWS_AHEAD
+    warm_tables_first: bool = False
+
+    @property
+    def warming_lanes(self) -> int:
+        """The lanes of the warming loads (``WARMING_LANES``), ``block_t * chunk // 8``: one per eight elements
+        of a chunk of the program's rows, which is one per thread (each holds 8 columns of a chunk) at every
+        H but 1."""
+        return self.block_t * self.chunk // 8
+
+
+def launch_config(hidden: int, has_gate: bool, has_norm: bool, rows: int | None) -> LaunchConfig:
+    """Whole rows in registers, read in chunks of one 16-byte vector per thread (8 bf16), so that only the
+    last chunk pads ``H``; one row per program (rows shorter than the program's lanes share it).
+
+    - Warps: 8 for site C, for site B up to ``FEW_ROWS`` rows and for site A up to ``FEWEST_ROWS`` rows;
+      4 beyond, where more programs resident per SM win; never fewer than ``MIN_WARPS``.
+    - ``preload_table_chunks``: site B always; site A from H = 2,049 on, and up to ``SITE_A_NARROW_H`` for up
+      to ``SITE_A_FEW_ROWS`` rows (beyond, the extra registers cost more than the early loads gain).
+    - ``warm_rows_ahead``: ``WARM_ROWS_AHEAD`` rows for sites A and B.
+    - ``warm_tables_first``: site A (B gains nothing from it, C loses).
+
+    ``rows`` is the row count, or None where it is symbolic (a graph compiled for dynamic shapes): the
+    many-rows choice, without a guard on the count.
+    """
+    padded = 1 << (int(hidden) - 1).bit_length()  # the next power of 2; H is a constexpr, never symbolic
+    if padded > MAX_BLOCK_H:
+        raise ValueError(f"H={hidden} exceeds the kernel's limit of {MAX_BLOCK_H}")
+    block_t = max(1, 2048 // padded)
+
+    def at_most(bound: int) -> bool:  # a symbolic count takes the many-rows choice
+        return rows is not None and rows <= bound
+
+    more_warps = not has_norm or at_most(FEW_ROWS if has_gate else FEWEST_ROWS)
+    per_thread = 32 if more_warps else 64
+    num_warps = max(MIN_WARPS, min(16, block_t * padded // (32 * per_thread)))
+    chunk = min(padded, max(1, 32 * num_warps * 8 // block_t))  # the quotient is 0 at H = 1
+    preload = has_norm and (has_gate or hidden > SITE_A_NARROW_H or at_most(SITE_A_FEW_ROWS))
+    return LaunchConfig(block_t, chunk, num_warps, preload, warm_tables_first=has_norm and not has_gate)
+
+
+def ceil_div(a, b):
+    """``ceil(a / b)`` of non-negative integers, symbolic ones too. On the host, in place of ``triton.cdiv``,
+    a ``constexpr_function`` whose wrapper costs about 1.5 us a call, several per launch."""
+    return (a + b - 1) // b
+
+
+def warming_program_count(a: ModulationArgs, lanes: int) -> int:
+    """How many warming programs (``_touch_table_rows``, ``lanes`` 32-byte sectors each) cover every table
+    row the site reads and the weight; none where the tables' row count is symbolic, or where the tables
+    hold more than ``WARM_TABLES_MAX_BYTES`` (a bound set, not measured: the model's tables hold about
+    140 KB, and warming many megabytes would hold the rows' loads back behind them)."""
+    if not isinstance(a.num_table_rows, int):
+        return 0
+    rows = [(t, a.num_table_rows) for t in (a.shift, a.scale, a.gate) if t is not None] + [(a.weight, 1)] * (
+        a.weight is not None)
+    sectors = sum(count * ceil_div(a.hidden * t.element_size(), 32) for t, count in rows)
+    return 0 if 32 * sectors > WARM_TABLES_MAX_BYTES else ceil_div(sectors, lanes)
+
+
+def specialisation(hidden: int, has_gate: bool, has_norm: bool, has_weight: bool, rounding: Rounding,
+                   config: LaunchConfig, interpreted: bool) -> dict:
+    """The kernel's constexpr arguments for one site, rounding and launch configuration."""
+    return dict(
+        HIDDEN=hidden, HAS_GATE=has_gate, HAS_NORM=has_norm, HAS_WEIGHT=has_weight,
+        ROUND_GATE=rounding.gate_product, ROUND_NORM=rounding.norm_output,
+        ROUND_NORM_BEFORE_WEIGHT=rounding.norm_before_weight, ROUND_AFFINE=rounding.affine,
+        FUSE_MULTIPLY_ADD=rounding.fused_multiply_add, INTERPRETED=interpreted, BLOCK_T=config.block_t,
+        CHUNK=config.chunk,
+        PRELOAD_TABLE_CHUNKS=config.preload_table_chunks and has_norm,  # no tables without a norm: one build of C
+        WARM_ROWS_AHEAD=config.warm_rows_ahead, WARM_TABLES_FIRST=config.warm_tables_first,
+        WARMING_LANES=config.warming_lanes,
+    )
+
+
+def interpreting() -> bool:
+    """Whether Triton runs kernels in its interpreter (``TRITON_INTERPRET=1``), on CPU tensors."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def launch_modulation(a: ModulationArgs, u: torch.Tensor | None, y: torch.Tensor | None, wrap,
+                      config: LaunchConfig | None = None):
+    """Run ``modulation_kernel`` for ``a`` into ``u``/``y`` (``wrap`` = ``torch.library.wrap_triton``, or the
+    identity for a direct launch) with ``config`` (default: ``launch_config``'s). Returns what the launch
+    returns (the compiled kernel, for a direct launch).
+
+    Arguments a site does not use are passed as an alias of one it does; the kernel never reads them.
+    """
+    if config is None:
+        config = launch_config(a.hidden, a.gate is not None, a.scale is not None,
+                               a.rows if isinstance(a.rows, int) else None)
+    rows_alias = a.x if a.x is not None else a.residual
+    table_alias = a.gate if a.gate is not None else a.scale
+
+    def rows_or_alias(t):
+        return rows_alias if t is None else t
+
+    def table_or_alias(t):
+        return table_alias if t is None else t
+
+    x, res, branch = rows_or_alias(a.x), rows_or_alias(a.residual), rows_or_alias(a.branch)
+    gate, shift, scale = table_or_alias(a.gate), table_or_alias(a.shift), table_or_alias(a.scale)
+    warming = warming_program_count(a, config.warming_lanes) if config.warm_tables_first else 0
+    return wrap(modulation_kernel)[(ceil_div(a.rows, config.block_t) + warming,)](
+        x, res, branch, gate, table_or_alias(a.weight), shift, scale, a.index,
+        y if u is None else u, u if y is None else y,
+        a.rows, a.num_table_rows, a.eps,
+        x.stride(0), res.stride(0), branch.stride(0), gate.stride(0), shift.stride(0), scale.stride(0),
+        **specialisation(a.hidden, a.gate is not None, a.scale is not None, a.weight is not None, a.rounding,
+                         config, interpreting()),
+        num_warps=config.num_warps,
+    )

@@ -1,0 +1,160 @@
+"""The pass and the backend: chaining the user's post-grad passes, the uuid and the caches, options, cost."""
+
+import subprocess
+import sys
+import time
+
+import h3_fused
+import pytest
+import torch
+from h3_fused import H3FusionPass
+from h3_fused.graph_pass import INFERENCE_AWARE
+from helpers import bf16, fused_count, inputs, site_a
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+pytestmark = pytest.mark.usefixtures("fresh_compile")
+
+
+def fused_ops_in(graph) -> int:
+    return sum(1 for n in graph.nodes if "modulation" in str(n.target))
+
+
+def test_user_post_grad_pass_is_chained_not_dropped():
+    seen = []
+
+    def user_pass(graph):
+        seen.append(fused_ops_in(graph))
+
+    with torch._inductor.config.patch(post_grad_custom_post_pass=user_pass):
+        assert fused_count(site_a) == 1
+    assert seen == [1], "the user's pass ran after ours and saw the fused op"
+    assert H3FusionPass(h3_fused.FusionOptions(), chained=(user_pass,)).uuid() is None
+
+
+def test_a_list_of_user_post_grad_passes_runs_after_ours_in_order():
+    seen = []
+
+    def first(graph):
+        seen.append(("first", fused_ops_in(graph)))
+
+    def second(graph):
+        seen.append(("second", fused_ops_in(graph)))
+
+    with torch._inductor.config.patch(post_grad_custom_post_pass=[first, second]):
+        assert fused_count(site_a) == 1
+    assert seen == [("first", 1), ("second", 1)]
+
+
+class NamedPass(INFERENCE_AWARE or CustomGraphPass):
+    """A user pass with a uuid; inference-aware where this torch has such passes."""
+
+    def __init__(self, name: str, seen: list):
+        self.name, self.seen = name, seen
+
+    def __call__(self, graph, is_inference=None):
+        self.seen.append((self.name, is_inference))
+
+    def uuid(self):
+        return self.name.encode()
+
+
+def test_user_passes_are_called_as_inductor_calls_them_and_compiling_twice_does_not_nest_our_pass():
+    seen = []
+    with torch._inductor.config.patch(post_grad_custom_post_pass=NamedPass("mine", seen)):
+        patches = h3_fused.make_config_patches({"dtype_policy": "bf16"})
+    ours = patches["post_grad_custom_post_pass"]
+    assert [type(p) for p in ours.chained] == [NamedPass]
+    again = h3_fused.make_config_patches({"post_grad_custom_post_pass": ours})["post_grad_custom_post_pass"]
+    assert again.chained == ours.chained, "the user's pass chained once, not our pass inside our pass"
+    with torch._inductor.config.patch(post_grad_custom_post_pass=NamedPass("mine", seen)):
+        assert fused_count(site_a) == 1
+    # torch 2.12 on: Inductor tells our (inference-aware) pass, which tells the user's; 2.11: neither knows
+    assert seen == [("mine", True if INFERENCE_AWARE is not None else None)]
+
+
+def test_uuid_follows_the_user_passes():
+    options = h3_fused.FusionOptions("bf16")
+    alone = H3FusionPass(options).uuid()
+    one = H3FusionPass(options, (NamedPass("a", []),)).uuid()
+    assert None not in (alone, one) and len({alone, one, H3FusionPass(options, (NamedPass("b", []),)).uuid()}) == 3
+    assert one == H3FusionPass(options, (NamedPass("a", []),)).uuid()
+    assert H3FusionPass(options, (NamedPass("a", []), lambda graph: None)).uuid() is None
+    assert H3FusionPass(options, NamedPass("a", [])).uuid() == one, "one pass, as Inductor's setting takes it"
+    assert H3FusionPass(options, None).uuid() == alone
+
+
+def test_uuid_covers_options_and_sources():
+    a, b = H3FusionPass(h3_fused.FusionOptions("bf16")), H3FusionPass(h3_fused.FusionOptions("fp32"))
+    assert a.uuid() != b.uuid() and a.uuid() == H3FusionPass(h3_fused.FusionOptions("bf16")).uuid()
+
+
+def test_bad_options_raise_clearly():
+    with pytest.raises(Exception, match="dtype_policy must be one of"):
+        torch.compile(site_a, backend="h3_fused", options={"dtype_policy": "bf17"})(**inputs())
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="h3_fused_policy"):
+        torch.compile(site_a, backend="h3_fused", options={"h3_fused_policy": "bf16"})(**inputs())
+
+
+def test_backend_entry_point_and_callable():
+    from importlib.metadata import entry_points
+
+    eps = [e for e in entry_points(group="torch_dynamo_backends") if e.name == "h3_fused"]
+    assert eps and eps[0].load() is h3_fused.h3_fused_backend
+
+
+def test_pass_cost_on_the_tiny_block_is_under_a_second():
+    from helpers import tiny
+
+    model, latents, layout = tiny(num_blocks=1, num_refiner_blocks=0, inline_attention=True)
+    block = model.blocks[0]
+    x = model.patch_embed(latents.to(bf16))
+    tables = model.adaln_proj(model.time_embed(layout.timesteps))
+    spent = []
+    original = H3FusionPass.__call__
+
+    def timed(self, graph, *args, **kwargs):
+        start = time.perf_counter()
+        original(self, graph, *args, **kwargs)
+        spent.append(time.perf_counter() - start)
+
+    H3FusionPass.__call__ = timed
+    try:
+        with torch.no_grad():
+            torch.compile(block, backend="h3_fused")(x, tables, layout.index, layout.positions, layout.cu_seqlens)
+    finally:
+        H3FusionPass.__call__ = original
+    assert spent and sum(spent) < 1.0
+
+
+CACHE_SCRIPT = r"""
+import sys, torch
+from torch._dynamo.utils import counters
+import torch.nn.functional as F
+H = 64
+def f(x, w, shift, scale, idx):
+    return F.rms_norm(x, (H,), w, 1e-5) * (1 + scale[idx]) + shift[idx]
+t = (0.3 * torch.randn(6, 2 * H)).to(torch.bfloat16).chunk(2, -1)
+args = (torch.randn(8, H).to(torch.bfloat16), torch.ones(H, dtype=torch.bfloat16), t[0], t[1], torch.randint(0, 6, (8,)))
+compiled = torch.compile(f, backend="h3_fused", options={"dtype_policy": sys.argv[1]})
+compiled(*args)
+with torch.profiler.profile() as p:
+    compiled(*args)
+ran = sum(1 for e in p.events() if e.name == "h3_fused::reference_modulation")
+print("hit", counters["inductor"]["fxgraph_cache_hit"], "miss", counters["inductor"]["fxgraph_cache_miss"],
+      "aot_hit", counters["aot_autograd"]["autograd_cache_hit"], "ran", ran)
+"""
+
+
+def test_fx_graph_and_aot_autograd_caches_hit_in_a_fresh_process_and_policy_change_misses(tmp_path):
+    env = {**__import__("os").environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path), "TORCHINDUCTOR_FX_GRAPH_CACHE": "1"}
+
+    def run(policy):
+        out = subprocess.run([sys.executable, "-c", CACHE_SCRIPT, policy], env=env, capture_output=True, text=True,
+                             timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return out.stdout.strip().splitlines()[-1]
+
+    assert run("bf16") == "hit 0 miss 1 aot_hit 0 ran 1"
+    assert run("bf16") == "hit 1 miss 0 aot_hit 1 ran 1", "fresh process: both caches hit, the fused code runs"
+    assert run("fp32") == "hit 0 miss 1 aot_hit 0 ran 1", "a policy change misses"

@@ -1,0 +1,104 @@
+"""Bad input to the fused ops and the backend: a clear error naming the argument, or a result equal to eager.
+
+Every case runs on the CPU (the reference path; the same argument checks run before the kernel on CUDA) and,
+marked ``gpu``, on CUDA. An out-of-range index on CUDA fails a device-side assertion, which leaves the CUDA
+context unusable: that case runs in a process of its own (``test_ops_gpu.py``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from h3_fused.kernels import norm_modulate
+from sites import eager_site, fused_site, make_inputs
+
+bf16 = torch.bfloat16
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def inputs(device, site="B", tokens=8, hidden=64, **over):
+    t = make_inputs(site, tokens, hidden, device=device)
+    t.update({k: v(device) if callable(v) else v for k, v in over.items()})
+    return t
+
+
+REFUSED = {  # name: (site, overrides (a callable takes the device), error, message)
+    "index out of range": ("A", dict(index=lambda d: torch.tensor([0, 1, 2, 6, 0, 1, 2, 3], device=d)), IndexError,
+                           r"index\[3\] = 6 is not in \[0, 6\)"),
+    "negative index": ("A", dict(index=lambda d: torch.tensor([-1, 1, 2, 3, 0, 1, 2, 3], device=d)), IndexError,
+                       r"index\[0\] = -1 is not in \[0, 6\)"),
+    "index of another shape": ("A", dict(index=lambda d: torch.zeros(7, dtype=torch.long, device=d)), ValueError,
+                               r"index must have the shape of the activations without the last dim \(8,\)"),
+    "float index": ("A", dict(index=lambda d: torch.zeros(8, device=d)), TypeError, "index must have dtype"),
+    "branch of another shape": ("C", dict(branch=lambda d: torch.zeros(4, 64, dtype=bf16, device=d)), ValueError,
+                                r"branch must have the shape of residual \(8, 64\)"),
+    "branch of another dtype": ("C", dict(branch=lambda d: torch.zeros(8, 64, device=d)), TypeError,
+                                "branch must have the dtype of residual"),
+    "table of another width": ("A", dict(shift=lambda d: torch.zeros(6, 32, dtype=bf16, device=d)), ValueError,
+                               r"shift must be a \[K, H=64\] table"),
+    "weight of another size": ("A", dict(weight=lambda d: torch.ones(32, dtype=bf16, device=d)), ValueError,
+                               r"weight must have shape \[H=64\]"),
+    "weight of another low precision": ("A", dict(x=lambda d: torch.randn(8, 64, device=d).half()), TypeError,
+                                        "weight must have the dtype of x"),
+    "tables on the meta device": ("A", dict(scale=lambda d: torch.zeros(6, 64, dtype=bf16, device="meta")),
+                                  ValueError, "scale is on meta but x is on"),
+    "int activations": ("A", dict(x=lambda d: torch.zeros(8, 64, dtype=torch.int32, device=d)), TypeError,
+                        "x must have dtype"),
+    "negative eps": ("A", dict(eps=-1.0), ValueError, "eps must be a non-negative float"),
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", list(REFUSED))
+def test_bad_input_is_refused_with_the_argument_named(name, device):
+    site, over, error, message = REFUSED[name]
+    if device == "cuda" and error is IndexError:
+        pytest.skip("a device-side assertion: tests/kernels/test_ops_gpu.py runs it in a process of its own")
+    with pytest.raises(error, match=message):
+        fused_site(site, "bf16")(**inputs(device, site, **over))
+
+
+def test_unknown_policy_is_refused():
+    t = inputs("cpu", "A")
+    with pytest.raises(ValueError, match=r"policy must be one of \('auto', 'bf16', 'fp32'\), got 'bf17'"):
+        norm_modulate(t["x"], t["weight"], t["shift"], t["scale"], t["index"], policy="bf17")
+
+
+def equal_to_eager(site, t):
+    got, ref = fused_site(site, "bf16")(**t), eager_site(site)(**t)
+    got, ref = (got, ref) if isinstance(got, tuple) else ((got,), (ref,))
+    for g, r in zip(got, ref):
+        assert torch.equal(g.isnan(), r.isnan()) and torch.equal(torch.nan_to_num(g), torch.nan_to_num(r))
+
+
+def with_nan_and_inf(device):
+    x = make_inputs("A", 8, 64, device=device)["x"].clone()
+    x[0, 0], x[1, 1], x[2, 2] = float("nan"), float("inf"), -float("inf")
+    return x
+
+
+ACCEPTED = {  # name: (site, overrides): computed as eager computes them
+    "empty input (T = 0)": ("B", dict(tokens=0)),
+    "one row": ("B", dict(tokens=1)),
+    "NaN / +Inf / -Inf in the activations": ("A", dict(x=with_nan_and_inf)),
+    "row-strided view": ("A", dict(x=lambda d: torch.randn(8, 200, device=d).to(bf16)[:, 8:72])),
+    "storage-offset view": ("A", dict(x=lambda d: torch.randn(9, 64, device=d).to(bf16)[1:])),
+    "T = 70,000 rows (> 65,535)": ("B", dict(tokens=70000)),
+    "non-power-of-two H = 200": ("B", dict(hidden=200)),
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", list(ACCEPTED))
+def test_unusual_but_valid_input_computes_what_eager_computes(name, device):
+    site, over = ACCEPTED[name]
+    shape = {k: over.pop(k) for k in ("tokens", "hidden") if k in over}
+    equal_to_eager(site, inputs(device, site, **shape, **over))
+
+
+@pytest.mark.usefixtures("fresh_compile")
+def test_a_site_the_pass_cannot_handle_compiles_unfused():
+    """An fp64 site: no fused op exists for it, so it compiles and runs as Inductor compiles it."""
+    t = make_inputs("A", 8, 64, device="cpu", dtype=torch.float64)
+    fn = eager_site("A")
+    torch.testing.assert_close(torch.compile(fn, backend="h3_fused")(**t), fn(**t))

@@ -1,0 +1,44 @@
+"""Every forward-kernel build at the edge sizes, against the pure-torch reference on the GPU.
+
+``.ci/gpu`` also runs this file under ``compute-sanitizer`` (memcheck and racecheck): each site and policy at
+H in {1, 31, 64, 101, 200, 5376} and T in {1, 3, 257}, with the configuration ``launch_config`` picks for
+its few rows, for ``FEW_ROWS`` rows and for many rows (so the 8- and 4-warp builds of sites A and B, with
+their table chunks preloaded and not, are all run), and each once more warming the coming table rows one row
+ahead (the shipped distance never reaches past these sizes), where site B also runs with an fp32 gate table
+and bf16 shift and scale (the warming reads the gate row with a load of its own).
+"""
+
+import dataclasses
+import itertools
+
+import pytest
+import torch
+from h3_fused.kernels.arguments import check_args
+from h3_fused.kernels.launch import FEW_ROWS, launch_config
+from h3_fused.kernels.reference import reference_modulation
+from sites import kernel_launch, make_inputs
+
+pytestmark = pytest.mark.gpu
+SITES_HAVE = {"A": (False, True), "B": (True, True), "C": (True, False)}  # (gate, norm)
+
+
+@pytest.mark.parametrize("rows_for", [None, FEW_ROWS, "own"], ids=["many_rows", "few_rows", "own_rows"])
+@pytest.mark.parametrize("warm_next_row", [False, True])
+@pytest.mark.parametrize("hidden", [1, 31, 64, 101, 200, 5376])
+def test_every_build_at_the_edge_sizes_matches_the_reference(rows_for, warm_next_row, hidden):
+    for tokens, site, policy in itertools.product((1, 3, 257), "ABC", ("bf16", "fp32")):
+        gate_dtypes = (None, torch.float32) if warm_next_row and site == "B" else (None,)
+        for gate_dtype in gate_dtypes:
+            inputs = make_inputs(site, tokens, hidden, table_rows=3, seed=tokens)
+            inputs["index"][-1] = 2  # the last row reads the last table row
+            if gate_dtype is not None:
+                inputs["gate"] = inputs["gate"].to(gate_dtype)
+            config = launch_config(hidden, *SITES_HAVE[site], tokens if rows_for == "own" else rows_for)
+            if warm_next_row:
+                config = dataclasses.replace(config, warm_rows_ahead=1)
+            launch = kernel_launch(site, inputs, policy, config=config)
+            launch()
+            expected = reference_modulation(check_args(**inputs, policy=policy, has_norm=site != "C"))
+            for got, ref in zip(launch.outputs, expected):
+                if got is not None:
+                    torch.testing.assert_close(got, ref, atol=0, rtol=2 ** -7)  # y: the norm's sum order

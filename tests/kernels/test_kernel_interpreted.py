@@ -1,0 +1,134 @@
+"""The Triton kernels' logic on CPU tensors, under Triton's interpreter.
+
+Run by a second pytest call, ``TRITON_INTERPRET=1 python -m pytest -m interpreted`` (the variable must be set
+before Triton is imported; ``tests/conftest.py`` skips these tests in any other session). The interpreter
+truncates conversions to bf16, so the kernels round on the bits there (``INTERPRETED``): results are held to
+the pure-torch reference, bit for bit where the order of an fp32 sum does not enter.
+"""
+
+import dataclasses
+import itertools
+
+import pytest
+import torch
+from exact_rounding import assert_fp32_gated_residual_rounds_once
+from h3_fused.kernels import gate_norm_modulate, gate_residual, launch, norm_modulate
+from h3_fused.kernels.arguments import check_args
+from h3_fused.kernels.reference import reference_modulation
+
+pytestmark = pytest.mark.interpreted
+bf16 = torch.bfloat16
+
+
+def site_inputs(tokens, hidden, seed=0):
+    """bf16 residual/x, branch and weight, three strided [3, H] table views (shift, scale, gate) and an index
+    whose last row reads the last table row."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=g).to(bf16)
+    branch = torch.randn(tokens, hidden, generator=g).to(bf16)
+    w = torch.randn(hidden, generator=g).to(bf16)
+    tables = (0.3 * torch.randn(3, 6 * hidden, generator=g)).to(bf16).chunk(6, -1)
+    idx = torch.randint(0, 3, (tokens,), generator=g)
+    idx[-1] = 2
+    return x, branch, w, tables, idx
+
+
+def reference(**kwargs):
+    return reference_modulation(check_args(**kwargs, has_norm=kwargs.get("scale") is not None))
+
+
+def same_but_for_sum_order(got, ref, share=1e-3):
+    """The kernel's fp32 sum of squares has its own order: a last-bit change of rsqrt may flip a rare rounding."""
+    assert (got != ref).float().mean() <= share
+    torch.testing.assert_close(got, ref)
+
+
+def launched(config=None, **kwargs):
+    """``(u, y)`` of the forward kernel launched directly with ``config`` (default: the shipped one)."""
+    a = check_args(**kwargs, has_norm=kwargs.get("scale") is not None)
+    u, y = (torch.empty(a.out_shape, dtype=a.dtype) if wanted else None
+            for wanted in (a.gate is not None, a.scale is not None))
+    launch.launch_modulation(a, u, y, lambda kernel: kernel, config)
+    return u, y
+
+
+@pytest.mark.parametrize("hidden", [1, 31, 64, 101, 200])
+@pytest.mark.parametrize("tokens", [1, 5, 33])
+@pytest.mark.parametrize("policy", ["bf16", "fp32"])
+@pytest.mark.parametrize("native", [False, True])
+def test_every_site_policy_and_norm_spelling_matches_the_reference(hidden, tokens, policy, native):
+    """At H = 1 and 31 (2,048 and 64 rows per program), 64, 101 and 200."""
+    x, br, w, t, idx = site_inputs(tokens, hidden)
+    kw = dict(eps=1e-5, policy=policy, norm_rounds_before_weight=native)
+    u, y = gate_norm_modulate(x, t[2], br, w, t[0], t[1], idx, **kw)
+    ur, yr = reference(residual=x, branch=br, gate=t[2], weight=w, shift=t[0], scale=t[1], index=idx, **kw)
+    assert torch.equal(u, ur)
+    same_but_for_sum_order(y, yr)
+    same_but_for_sum_order(norm_modulate(x, None, t[0], t[1], idx, **kw),
+                           reference(x=x, shift=t[0], scale=t[1], index=idx, **kw)[1])
+    assert torch.equal(gate_residual(x, t[2], br, idx, policy=policy),
+                       reference(residual=x, branch=br, gate=t[2], index=idx, policy=policy)[0])
+
+
+def test_an_out_of_range_index_raises_naming_the_row():
+    x, _, _, t, idx = site_inputs(5, 64)
+    with pytest.raises(IndexError, match=r"index\[0\] = 3 is not in \[0, 3\)"):
+        norm_modulate(x, None, t[0], t[1], idx + 3, eps=1e-5, policy="bf16")
+
+
+@pytest.mark.parametrize("dtype", [bf16, torch.float16])
+def test_fp32_gated_residual_rounds_once(dtype):
+    """The kernel's interpreted path (TwoSum, round-to-odd) on the ties where fp32 would round twice."""
+    assert_fp32_gated_residual_rounds_once(dtype)
+
+
+@pytest.mark.parametrize("policy, preload, weighted", itertools.product(("bf16", "fp32"), (False, True), (True, False)))
+def test_rows_read_in_chunks(policy, preload, weighted):
+    """Rows read in 32-column chunks (H = 101: four chunks, the last one 5 columns wide), the table chunks
+    loaded just before their use and one chunk early, with and without a weight."""
+    config = launch.LaunchConfig(1, 32, 1, preload_table_chunks=preload)
+    x, br, w, t, idx = site_inputs(9, 101, seed=1)
+    kw = dict(weight=w if weighted else None, shift=t[0], scale=t[1], index=idx, eps=1e-5, policy=policy)
+    u, y = launched(config, residual=x, branch=br, gate=t[2], **kw)
+    ur, yr = reference(residual=x, branch=br, gate=t[2], **kw)
+    assert torch.equal(u, ur)
+    same_but_for_sum_order(y, yr, share=1e-2)
+    torch.testing.assert_close(launched(config, x=x, **kw)[1], reference(x=x, **kw)[1])
+    gated = dict(residual=x, branch=br, gate=t[2], index=idx, policy=policy)
+    assert torch.equal(launched(config, **gated)[0], reference(**gated)[0])
+
+
+@pytest.mark.parametrize("hidden, tokens", [(64, 70), (200, 33)])
+@pytest.mark.parametrize("gate_dtype, table_dtype", [(torch.float32, bf16), (bf16, torch.float32)])
+@pytest.mark.parametrize("policy", ["bf16", "fp32"])
+def test_gate_table_of_another_dtype_than_shift_and_scale(hidden, tokens, gate_dtype, table_dtype, policy):
+    """Site B whose gate table has another dtype than shift and scale (the warming of coming table rows reads
+    the gate row with a load of its own): the reference's residual bit for bit."""
+    x, br, w, t, idx = site_inputs(tokens, hidden, seed=4)
+    gate, shift, scale = t[2].to(gate_dtype), t[0].to(table_dtype), t[1].to(table_dtype)
+    kw = dict(eps=1e-5, policy=policy)
+    u, y = gate_norm_modulate(x, gate, br, w, shift, scale, idx, **kw)
+    ur, yr = reference(residual=x, branch=br, gate=gate, weight=w, shift=shift, scale=scale, index=idx, **kw)
+    assert torch.equal(u, ur)
+    same_but_for_sum_order(y, yr)
+
+
+@pytest.mark.parametrize("hidden, tokens", [(64, 70), (101, 9), (200, 33)])
+def test_warming_table_rows_changes_no_result(hidden, tokens):
+    """``warm_rows_ahead`` 1, 2 and 7 rows (within and past the last row; the small-H builds have 64 lanes, so
+    every fourth program warms the lines of four) and ``warm_tables_first`` leave every output of every site
+    and policy bit-identical to the build without them."""
+    x, br, w, t, idx = site_inputs(tokens, hidden, seed=2)
+    sites = dict(B=dict(residual=x, branch=br, gate=t[2], weight=w, shift=t[0], scale=t[1], index=idx, eps=1e-5),
+                 A=dict(x=x, weight=w, shift=t[0], scale=t[1], index=idx, eps=1e-5),
+                 A_unweighted=dict(x=x, shift=t[0], scale=t[1], index=idx, eps=1e-5),
+                 C=dict(residual=x, branch=br, gate=t[2], index=idx))
+    for (name, kwargs), policy in itertools.product(sites.items(), ("bf16", "fp32")):
+        a = check_args(**kwargs, policy=policy, has_norm="scale" in kwargs)
+        shipped = launch.launch_config(a.hidden, a.gate is not None, a.scale is not None, a.rows)
+        plain = launched(dataclasses.replace(shipped, warm_rows_ahead=0, warm_tables_first=False), **kwargs,
+                         policy=policy)
+        for ahead, first in ((1, False), (2, False), (7, False), (0, True), (1, True)):
+            config = dataclasses.replace(shipped, warm_rows_ahead=ahead, warm_tables_first=first)
+            got = launched(config, **kwargs, policy=policy)
+            assert all(g is None or torch.equal(g, p) for g, p in zip(got, plain)), (name, policy, ahead, first)

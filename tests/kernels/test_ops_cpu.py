@@ -1,0 +1,174 @@
+"""The fused ops on the CPU: the rounding contract against eager sequences, bad input, opcheck, and
+the Triton kernel's logic under the interpreter."""
+
+import math
+
+import pytest
+import torch
+from exact_rounding import assert_fp32_gated_residual_rounds_once, double_rounding_cases, exact_gated_residual
+from h3_fused.kernels import gate_norm_modulate, gate_residual, norm_modulate
+from h3_fused.kernels.reference import sum_rounded_once
+from helpers import eager_gate, eager_modulate, eager_norm
+from helpers import make_site_tensors as make
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+bf16, f32 = torch.bfloat16, torch.float32
+
+
+@pytest.mark.parametrize("native", [False, True])
+@pytest.mark.parametrize("upcast", [False, True])
+@pytest.mark.parametrize("with_weight", [True, False])
+@pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize("lead", [(33,), (3, 11)])
+def test_bf16_policy_is_bit_identical_to_eager(native, upcast, with_weight, index_dtype, lead):
+    t = make(lead=lead, index_dtype=index_dtype)
+    w = t["weight"] if with_weight else None
+    kw = dict(eps=1e-5, policy="bf16", norm_rounds_before_weight=native, upcast_tables=upcast)
+    y = norm_modulate(t["x"], w, t["shift"], t["scale"], t["index"], **kw)
+    assert torch.equal(y, eager_modulate(eager_norm(t["x"], w, 1e-5, native), t["shift"], t["scale"], t["index"], upcast))
+    u, y = gate_norm_modulate(t["x"], t["gate"], t["branch"], w, t["shift"], t["scale"], t["index"], **kw)
+    u_ref = eager_gate(t["x"], t["gate"], t["branch"], t["index"], upcast)
+    assert torch.equal(u, u_ref)
+    assert torch.equal(y, eager_modulate(eager_norm(u_ref, w, 1e-5, native), t["shift"], t["scale"], t["index"], upcast))
+    u = gate_residual(t["x"], t["gate"], t["branch"], t["index"], policy="bf16", upcast_tables=upcast)
+    assert torch.equal(u, u_ref)
+
+
+def test_fp32_tables_with_bf16_activations():
+    t = make(table_dtype=f32)
+    u, y = gate_norm_modulate(t["x"], t["gate"], t["branch"], t["weight"], t["shift"], t["scale"], t["index"],
+                              eps=1e-6, policy="bf16")
+    u_ref = eager_gate(t["x"], t["gate"], t["branch"], t["index"], False)
+    assert torch.equal(u, u_ref)
+    assert torch.equal(y, eager_modulate(eager_norm(u_ref, t["weight"], 1e-6, False), t["shift"], t["scale"],
+                                         t["index"], False))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_other_activation_dtypes(dtype):
+    t = make(dtype=dtype)
+    y = norm_modulate(t["x"], t["weight"], t["shift"], t["scale"], t["index"], eps=1e-5, policy="bf16")
+    assert y.dtype == dtype
+    assert torch.equal(y, eager_modulate(eager_norm(t["x"], t["weight"], 1e-5, False), t["shift"], t["scale"],
+                                         t["index"], False))
+
+
+def test_fp32_policy_rounds_only_where_stored_and_is_closer_to_fp64():
+    t = make(tokens=512, hidden=256)
+    u, y = gate_norm_modulate(t["x"], t["gate"], t["branch"], t["weight"], t["shift"], t["scale"], t["index"],
+                              eps=1e-5, policy="fp32")
+    idx = t["index"]
+    assert torch.equal(u, exact_gated_residual(t["x"], t["gate"][idx], t["branch"]))  # the exact sum, rounded once
+    ud = u.double()
+    n = ud * torch.rsqrt(ud.pow(2).mean(-1, keepdim=True) + 1e-5) * t["weight"].double()
+    y64 = n * (1 + t["scale"].double()[idx]) + t["shift"].double()[idx]
+    y_eager = eager_modulate(eager_norm(u, t["weight"], 1e-5, False), t["shift"], t["scale"], idx, False)
+    assert (y.double() - y64).abs().mean() < (y_eager.double() - y64).abs().mean()
+
+
+def _any_finite(dtype):
+    bits = st.integers(0, 0xFFFF).map(lambda b: torch.tensor([b], dtype=torch.int32).to(torch.int16).view(dtype))
+    return bits.filter(lambda v: bool(v.isfinite()))
+
+
+def _tie_plus_power_of_two(dtype):
+    """A product that is a tie of ``dtype`` (``double_rounding_cases``) and a residual of +-2**k, from
+    ``dtype``'s smallest subnormal up to 1 (mostly below fp32's last place of the product)."""
+    ties = double_rounding_cases(dtype, 256)
+    smallest = math.frexp(torch.finfo(dtype).smallest_normal)[1] - 1 - {bf16: 7, torch.float16: 10}[dtype]
+    return st.tuples(st.integers(0, 255), st.integers(smallest, 0), st.sampled_from([1.0, -1.0])).map(
+        lambda c: (torch.tensor([c[2] * 2.0 ** c[1]], dtype=dtype), ties[1][c[0]:c[0] + 1], ties[2][c[0]:c[0] + 1]))
+
+
+@settings(max_examples=400, deadline=None)
+@given(data=st.data(), dtype=st.sampled_from([bf16, torch.float16]))
+def test_sum_rounded_once_is_the_exact_sum_rounded_once(data, dtype):
+    """Any finite residual, gate and branch (every bit pattern: subnormals, overflow of the product), and
+    ties of ``dtype`` plus a residual that fp32 would round away."""
+    anything = st.tuples(_any_finite(dtype), _any_finite(dtype), _any_finite(dtype))
+    r, g, b = data.draw(st.one_of(anything, _tie_plus_power_of_two(dtype)))
+    assert torch.equal(sum_rounded_once(r, g, b, dtype).to(dtype), exact_gated_residual(r, g, b))
+
+
+@pytest.mark.parametrize("dtype", [bf16, torch.float16])
+def test_fp32_policy_rounds_the_gated_residual_once_where_fp32_would_round_twice(dtype):
+    """Products that are ties of the activation dtype plus a residual far below fp32's last place of them."""
+    assert_fp32_gated_residual_rounds_once(dtype)
+
+
+def test_strided_activations_and_tables_are_read_in_place():
+    t = make(tokens=20, hidden=64)
+    wide = torch.randn(20, 200).to(bf16)
+    x = wide[:, 10:74]  # row stride 200, offset 10
+    assert x.stride() == (200, 1)
+    y = norm_modulate(x, t["weight"], t["shift"], t["scale"], t["index"], eps=1e-5, policy="bf16")
+    assert torch.equal(y, eager_modulate(eager_norm(x, t["weight"], 1e-5, False), t["shift"], t["scale"], t["index"], False))
+    xt = torch.randn(64, 20).to(bf16).t()  # column-strided: copied, still correct
+    y = norm_modulate(xt, t["weight"], t["shift"], t["scale"], t["index"], eps=1e-5, policy="bf16")
+    assert torch.equal(y, eager_modulate(eager_norm(xt, t["weight"], 1e-5, False), t["shift"], t["scale"], t["index"], False))
+
+
+def test_nan_and_inf_propagate_as_in_eager():
+    t = make(tokens=8, hidden=64)
+    x = t["x"].clone()
+    x[1, 3], x[2, 5], x[3, 0] = float("nan"), float("inf"), -float("inf")
+    u, y = gate_norm_modulate(x, t["gate"], t["branch"], t["weight"], t["shift"], t["scale"], t["index"],
+                              eps=1e-5, policy="bf16")
+    u_ref = eager_gate(x, t["gate"], t["branch"], t["index"], False)
+    y_ref = eager_modulate(eager_norm(u_ref, t["weight"], 1e-5, False), t["shift"], t["scale"], t["index"], False)
+    assert torch.equal(u.isnan(), u_ref.isnan()) and torch.equal(y.isnan(), y_ref.isnan())
+    assert torch.equal(torch.nan_to_num(y), torch.nan_to_num(y_ref))
+
+
+def test_empty_inputs_give_empty_outputs():
+    t = make(tokens=0, hidden=64)
+    u, y = gate_norm_modulate(t["x"], t["gate"], t["branch"], t["weight"], t["shift"], t["scale"], t["index"],
+                              eps=1e-5, policy="bf16")
+    assert u.shape == (0, 64) and y.shape == (0, 64)
+
+
+@pytest.mark.parametrize("name", ["x", "weight", "shift", "scale"])
+def test_inputs_that_require_grad_are_refused_where_the_call_is_made(name):
+    t = make(tokens=4, hidden=64)
+    args = dict(x=t["x"], weight=t["weight"], shift=t["shift"], scale=t["scale"], index=t["index"])
+    args[name] = args[name].clone().requires_grad_()
+    with pytest.raises(NotImplementedError, match=f"{name} requires grad, but h3_fused::norm_modulate has no backward yet"):
+        norm_modulate(**args, eps=1e-5, policy="bf16")
+    with torch.no_grad():
+        assert torch.equal(norm_modulate(**args, eps=1e-5, policy="bf16"),
+                           norm_modulate(**{k: v.detach() for k, v in args.items()}, eps=1e-5, policy="bf16"))
+
+
+def test_gated_residual_inputs_that_require_grad_are_refused():
+    t = make(tokens=4, hidden=64)
+    with pytest.raises(NotImplementedError, match="gate requires grad"):
+        gate_residual(t["x"], t["gate"].clone().requires_grad_(), t["branch"], t["index"], policy="bf16")
+    with pytest.raises(NotImplementedError, match="residual requires grad"):
+        gate_norm_modulate(t["x"].clone().requires_grad_(), t["gate"], t["branch"], t["weight"], t["shift"],
+                           t["scale"], t["index"], eps=1e-5, policy="bf16")
+
+
+def test_opcheck_on_cpu():
+    t = make(tokens=9, hidden=64)
+    ops = torch.ops.h3_fused
+    torch.library.opcheck(ops.norm_modulate.default, (t["x"], t["weight"], t["shift"], t["scale"], t["index"]),
+                          dict(eps=1e-5, policy="bf16"))
+    torch.library.opcheck(ops.gate_norm_modulate.default,
+                          (t["x"], t["gate"], t["branch"], t["weight"], t["shift"], t["scale"], t["index"]),
+                          dict(eps=1e-5, policy="fp32"))
+    torch.library.opcheck(ops.gate_residual.default, (t["x"], t["gate"], t["branch"], t["index"]),
+                          dict(policy="bf16"))
+
+
+@settings(max_examples=40, deadline=None)
+@given(tokens=st.integers(1, 40), hidden=st.integers(1, 40).map(lambda h: 8 * h), rows=st.integers(1, 12),
+       seed=st.integers(0, 2**16), native=st.booleans(), upcast=st.booleans())
+def test_property_bf16_matches_eager(tokens, hidden, rows, seed, native, upcast):
+    t = make(tokens=tokens, hidden=hidden, rows=rows, seed=seed)
+    u, y = gate_norm_modulate(t["x"], t["gate"], t["branch"], t["weight"], t["shift"], t["scale"], t["index"],
+                              eps=1e-5, policy="bf16", norm_rounds_before_weight=native, upcast_tables=upcast)
+    u_ref = eager_gate(t["x"], t["gate"], t["branch"], t["index"], upcast)
+    assert torch.equal(u, u_ref)
+    assert torch.equal(y, eager_modulate(eager_norm(u_ref, t["weight"], 1e-5, native), t["shift"], t["scale"],
+                                         t["index"], upcast))

@@ -1,0 +1,179 @@
+"""GPU suite for the fused ops (``pytest -m gpu`` on the H200): real sizes, bit-exactness, bad indices."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from exact_rounding import assert_fp32_gated_residual_rounds_once
+from h3_fused.kernels.reference import sum_rounded_once
+from sites import eager_site, fused_site, make_inputs
+
+pytestmark = pytest.mark.gpu
+
+
+def _diff(got, ref):
+    return (got.view(torch.int16) != ref.view(torch.int16)).float().mean().item()
+
+
+@pytest.mark.parametrize("tokens", [1, 1024, 3072, 15808, 63232])
+@pytest.mark.parametrize("site", ["A", "B", "C"])
+def test_bf16_policy_matches_eager_at_real_size(site, tokens):
+    """Every build at H = 5376: site B on 8 warps up to 6,144 rows (1, 1,024, 3,072) and on 4 beyond; site A
+    on 8 warps up to 1,024 rows and on 4 from 3,072 on; both with their table rows loaded ahead."""
+    inputs = make_inputs(site, tokens, seed=tokens)
+    _assert_bf16_policy_matches_eager(site, fused_site(site, "bf16")(**inputs), eager_site(site)(**inputs))
+
+
+def _assert_bf16_policy_matches_eager(site, got, ref):
+    if site == "B":
+        assert torch.equal(got[0], ref[0]), "the stored residual must be bit-identical"
+        assert _diff(got[1], ref[1]) <= 1e-5
+    elif site == "C":
+        assert torch.equal(got, ref)
+    else:
+        assert _diff(got, ref) <= 1e-5
+
+
+@pytest.mark.parametrize("hidden", [1, 64, 101, 200, 4097, 5376, 16384])
+def test_bf16_policy_non_power_of_two_hidden(hidden):
+    inputs = make_inputs("B", 257, hidden)
+    ref_u, ref_y = eager_site("B")(**inputs)
+    u, y = fused_site("B", "bf16")(**inputs)
+    assert torch.equal(u, ref_u) and _diff(y, ref_y) <= 1e-4
+
+
+def test_fp32_policy_error_no_larger_than_eager():
+    inputs = make_inputs("B", 4096)
+    exact = {k: (v.double() if torch.is_tensor(v) and v.is_floating_point() else v) for k, v in inputs.items()}
+    _, y_eager = eager_site("B")(**inputs)
+    u, y = fused_site("B", "fp32")(**inputs)
+    # fp64 reference of y from the stored (rounded) residual, as the policy defines
+    y64 = eager_site("A")(u.double(), exact["weight"], exact["shift"], exact["scale"], inputs["index"], 1e-5)
+    stored = sum_rounded_once(inputs["residual"], inputs["gate"][inputs["index"]], inputs["branch"], torch.bfloat16)
+    assert torch.equal(u, stored.to(torch.bfloat16)), "fp32: the residual is rounded once, where it is stored"
+    assert (y.double() - y64).abs().mean() <= (y_eager.double() - y64).abs().mean()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fp32_policy_rounds_the_gated_residual_once_where_fp32_would_round_twice(dtype):
+    """The kernel's multiply-add in the activation dtype: products that are ties of it plus a residual far
+    below fp32's last place of them, against the exact sum rounded once (fractions), in sites B and C."""
+    assert_fp32_gated_residual_rounds_once(dtype, "cuda")
+
+
+@pytest.mark.parametrize("policy", ["bf16", "fp32"])
+def test_nan_and_inf_propagate_as_in_eager(policy):
+    """NaN, +Inf and -Inf in the residual, the branch and a gate row reach ``u`` and ``y`` where eager's
+    graph puts them (the finite values follow the policy)."""
+    inputs = make_inputs("B", 64, 5376)
+    inputs["residual"][1, 3], inputs["residual"][2, 5] = float("nan"), float("inf")
+    inputs["branch"][3, 0], inputs["branch"][4, 7] = -float("inf"), float("inf")
+    inputs["gate"][inputs["index"][5], 9] = float("inf")
+    inputs["branch"][5, 9] = 0.0  # inf * 0: NaN
+    got, ref = fused_site("B", policy)(**inputs), eager_site("B")(**inputs)
+    assert got[0].isnan().any() and got[0].isinf().any() and got[1].isnan().any()  # the norm turns Inf into NaN
+    for g, r in zip(got, ref):
+        assert torch.equal(g.isnan(), r.isnan()) and torch.equal(g.isinf(), r.isinf())
+        assert torch.equal(g[g.isinf()], r[r.isinf()])
+
+
+@pytest.mark.parametrize("site", ["A", "B", "C"])
+def test_in_compiled_graph_obeys_the_policy(site):
+    """Each site's op inlined in a compiled graph gives the bare op's outputs, bit for bit, and eager's to
+    the policy (where Inductor's analysis of the kernel fails it assumes every input written, and site A's
+    ``y`` came out wrong in an earlier draft)."""
+    inputs = make_inputs(site, 15808)
+    got = torch.compile(fused_site(site, "bf16"))(**inputs)
+    bare = fused_site(site, "bf16")(**inputs)
+    assert all(map(torch.equal, got if site == "B" else [got], bare if site == "B" else [bare]))
+    _assert_bf16_policy_matches_eager(site, got, eager_site(site)(**inputs))
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["bare", "in_compiled_graph"])
+def test_out_of_range_index_traps_with_a_message(compiled):
+    """Bare, the kernel is built with ``debug=True``; inlined by Inductor, its launcher compiles user
+    kernels with ``debug = assert_indirect_indexing`` (default on): both keep the device assertion."""
+    call = "torch.compile(fused_site('A', 'bf16'))" if compiled else "fused_site('A', 'bf16')"
+    code = (
+        "import torch; from sites import make_inputs, fused_site\n"
+        "inp = make_inputs('A', 64); inp['index'][17] = 6\n"
+        f"{call}(**inp); torch.cuda.synchronize()\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert proc.returncode != 0
+    assert "index out of range" in proc.stdout + proc.stderr
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+@pytest.mark.parametrize("dispatcher", [False, True], ids=["direct", "dispatched"])
+@pytest.mark.parametrize("site", ["A", "B", "C"])
+def test_tensors_on_another_device_than_the_current_one(site, dispatcher):
+    """Triton launches on the current device: the op must launch where its tensors are, whether the public
+    function runs its body directly or the call goes through the dispatcher."""
+    inputs = make_inputs(site, 1024, seed=1, device="cuda:1")
+    expected = eager_site(site)(**inputs)
+    assert torch.cuda.current_device() == 0
+    got = fused_site(site, "bf16", dispatcher=dispatcher)(**inputs)
+    torch.cuda.synchronize("cuda:1")
+    _assert_bf16_policy_matches_eager(site, got, expected)
+
+
+def test_opcheck_on_cuda():
+    inputs = make_inputs("B", 33, 320)
+    a = make_inputs("A", 33, 320)
+    c = make_inputs("C", 33, 320)
+    torch.library.opcheck(torch.ops.h3_fused.gate_norm_modulate.default,
+                          tuple(inputs[k] for k in ("residual", "gate", "branch", "weight", "shift", "scale",
+                                                    "index")), dict(eps=1e-5, policy="bf16"))
+    torch.library.opcheck(torch.ops.h3_fused.norm_modulate.default,
+                          tuple(a[k] for k in ("x", "weight", "shift", "scale", "index")),
+                          dict(eps=1e-5, policy="fp32"))
+    torch.library.opcheck(torch.ops.h3_fused.gate_residual.default,
+                          tuple(c[k] for k in ("residual", "gate", "branch", "index")), dict(policy="bf16"))
+
+
+def test_64_bit_offsets_past_2_to_the_31_elements():
+    tokens = (2**31) // 5376 + 64  # T x H >= 2^31 elements per activation tensor
+    inputs = make_inputs("C", tokens)
+    ref = eager_site("C")(**inputs)
+    got = fused_site("C", "bf16")(**inputs)
+    assert torch.equal(got[-128:], ref[-128:]) and torch.equal(got, ref)
+
+
+@pytest.mark.parametrize("site, threshold", [("A", "FEWEST_ROWS"), ("B", "FEW_ROWS")])
+def test_dynamic_shapes_compile_once_across_the_few_rows_threshold(site, threshold):
+    """Compiled for dynamic shapes, the row count is symbolic: the launch configuration must not guard on
+    it, so row counts on both sides of the site's bound (A: ``FEWEST_ROWS``, B: ``FEW_ROWS``, where it goes
+    from 8 warps to 4) run the one compiled graph, exactly."""
+    from h3_fused.kernels import launch
+
+    bound = getattr(launch, threshold)
+    torch._dynamo.reset()  # the site's function may be cached from a static compile of an earlier test
+    compiled = torch.compile(fused_site(site, "bf16"), dynamic=True)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for tokens in (bound // 2, bound + 1):
+            inputs = make_inputs(site, tokens, seed=tokens)
+            _assert_bf16_policy_matches_eager(site, compiled(**inputs), eager_site(site)(**inputs))
+
+
+@pytest.mark.parametrize("tokens", [3072, 15808])
+@pytest.mark.parametrize("gate_dtype, table_dtype", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)])
+def test_gate_table_of_another_dtype_than_shift_and_scale(gate_dtype, table_dtype, tokens):
+    """Site B's builds for few and for many rows, with the gate table in another dtype than shift and scale
+    (the warming of coming table rows reads the gate row with a load of its own): the residual bit for bit
+    the op's reference (pure torch, on the GPU), `y` up to the norm's sum order."""
+    from h3_fused.kernels import gate_norm_modulate
+    from h3_fused.kernels.contract import check_args
+    from h3_fused.kernels.reference import reference_modulation
+
+    inputs = make_inputs("B", tokens, seed=7)
+    inputs["gate"] = inputs["gate"].to(gate_dtype)
+    inputs["shift"], inputs["scale"] = inputs["shift"].to(table_dtype), inputs["scale"].to(table_dtype)
+    for policy in ("bf16", "fp32"):
+        u, y = gate_norm_modulate(**inputs, policy=policy)
+        ref_u, ref_y = reference_modulation(check_args(**inputs, policy=policy, has_norm=True))
+        assert torch.equal(u, ref_u), policy
+        assert _diff(y, ref_y) <= 1e-4, policy

@@ -1,0 +1,66 @@
+"""Compiling the forward kernel for sm_90 without a GPU, and reading its SASS (support of the codegen tests).
+
+``compile_site`` compiles ``modulation_kernel`` with the launch configuration the ops use (pointers, strides
+and the row count 16-divisible, as Triton specialises them for the benchmark's shapes); ``instructions``
+disassembles a cubin with the ``cuobjdump`` that ships with Triton. The Triton installed here may differ
+from the GPU box's: the tests read the build's structure, not the box's exact SASS.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import re
+import subprocess
+import tempfile
+
+import torch
+import triton
+from h3_fused.kernels.contract import rounding_for
+from h3_fused.kernels.forward_kernel import modulation_kernel
+from h3_fused.kernels.launch import specialisation
+from sites import shipped_launch_config
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+POINTERS = ("x_ptr", "res_ptr", "branch_ptr", "gate_ptr", "w_ptr", "shift_ptr", "scale_ptr", "u_ptr", "y_ptr")
+SCALARS = dict(n_rows="i32", num_table_rows="i32", eps="fp32", stride_x="i32", stride_res="i32",
+               stride_branch="i32", stride_gate="i32", stride_shift="i32", stride_scale="i32")
+CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+
+
+def compile_site(site: str, policy: str, hidden: int, config=None, index: str = "i64", constants=None):
+    """``modulation_kernel`` compiled for sm_90 as the ops launch it (or with ``config``), for an index of
+    Triton type ``index`` (``"i64"`` or ``"i32"``); ``constants``: scalar arguments made constants, as
+    Triton does with a value of 1 (e.g. ``{"n_rows": 1}``)."""
+    gate, norm = site in "BC", site in "AB"
+    config = config or shipped_launch_config(site, hidden, None)
+    r = rounding_for(policy, torch.bfloat16, torch.bfloat16 if gate else None, torch.bfloat16 if norm else None,
+                     norm_rounds_before_weight=False, upcast_tables=False)
+    constants = specialisation(hidden, gate, norm, norm, r, config, interpreted=False) | (constants or {})
+    signature = {name: "*bf16" for name in POINTERS} | {"idx_ptr": f"*{index}"} | SCALARS
+    signature |= {name: "constexpr" for name in constants}
+    names = modulation_kernel.arg_names
+    aligned = [n for n in names if n.endswith("_ptr") or n.startswith("stride_") or n == "n_rows"]
+    source = ASTSource(fn=modulation_kernel, signature={n: signature[n] for n in names},
+                       constexprs={(names.index(k),): v for k, v in constants.items()},
+                       attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=config.num_warps, debug=True))
+
+
+def _cuobjdump(cubin: bytes, what: str) -> str:
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([CUOBJDUMP, what, f.name], capture_output=True, text=True, check=True).stdout
+
+
+def instructions(cubin: bytes) -> list[str]:
+    """The SASS instructions, in order, without addresses and encodings."""
+    return re.findall(r"/\*[0-9a-f]{4}\*/\s+([^;]*;)", _cuobjdump(cubin, "--dump-sass"))
+
+
+def instruction_mix(cubin: bytes) -> tuple[int, collections.Counter]:
+    opcodes = [re.match(r"(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]+)", i).group(1) for i in instructions(cubin)]
+    return int(re.search(r"REG:(\d+)", _cuobjdump(cubin, "--dump-resource-usage")).group(1)), collections.Counter(opcodes)
