@@ -1,4 +1,5 @@
-"""The ``h3_fused`` torch.compile backend: Inductor with ``H3FusionPass`` as its post-grad pass.
+"""The ``h3_fused`` torch.compile backend: Inductor with ``H3FusionPass`` as its post-grad pass, and for graphs
+that compute gradients the sites fused before autograd (``training.py``).
 
     torch.compile(model, backend="h3_fused", options={"dtype_policy": "bf16"})
 
@@ -16,6 +17,7 @@ from torch._inductor.compile_fx import compile_fx
 
 from .graph_pass import H3FusionPass
 from .options import FusionOptions
+from .training import computes_gradients, fuse_before_autograd
 
 
 def _user_post_pass_setting(inductor_options: dict):
@@ -30,20 +32,25 @@ def graph_device(example_inputs) -> torch.device:
 
 
 def make_config_patches(options: dict | None = None, mode: str | None = None,
-                        device: torch.device = torch.device("cpu")) -> dict:
-    """Inductor config patches for one compile: mode options, the caller's options, and our pass."""
+                        device: torch.device = torch.device("cpu"), fuse_post_grad: bool = True) -> dict:
+    """Inductor config patches for one compile: mode options, the caller's options, and our pass
+    (``fuse_post_grad=False``: it only chains the user's passes, the sites having been fused before autograd)."""
     fusion, inductor_options = FusionOptions.split(options)
     patches = dict(list_mode_options(mode)) if mode else {}
     if resolve_policy(fusion.dtype_policy, device) == "bf16":
         patches["emulate_precision_casts"] = True
     chained = _user_post_pass_setting(inductor_options)
     patches.update(inductor_options)
-    patches["post_grad_custom_post_pass"] = H3FusionPass(fusion, chained)
+    patches["post_grad_custom_post_pass"] = H3FusionPass(fusion, chained, fuse=fuse_post_grad)
     return patches
 
 
 def h3_fused_backend(gm: torch.fx.GraphModule, example_inputs, *, options: dict | None = None,
                      mode: str | None = None):
-    """Compile ``gm`` with Inductor and the h3_fused pass (the ``"h3_fused"`` backend)."""
-    patches = make_config_patches(options, mode, graph_device(example_inputs))
+    """Compile ``gm`` with Inductor and the h3_fused pass (the ``"h3_fused"`` backend); a graph that computes
+    gradients has its sites fused before autograd instead."""
+    training = computes_gradients(example_inputs)
+    patches = make_config_patches(options, mode, graph_device(example_inputs), fuse_post_grad=not training)
+    if training:
+        gm = fuse_before_autograd(gm, example_inputs, FusionOptions.split(options)[0]) or gm
     return compile_fx(gm, example_inputs, config_patches=patches)

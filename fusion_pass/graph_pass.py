@@ -15,23 +15,14 @@ import time
 import h3_fused.kernels as kernels_pkg
 import h3_fused.patterns as patterns_pkg
 import torch
-from h3_fused.kernels.policy import resolve_policy
-from h3_fused.patterns import (
-    NoMatch,
-    gate_residual_site,
-    is_affine_candidate,
-    is_gated_candidate,
-    merge_gate_and_norm,
-    norm_modulate_site,
-    replace_site,
-)
-from h3_fused.patterns.graph_view import device_of
+from h3_fused.patterns import find_sites
 from torch._inductor import custom_graph_pass
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 from torch.fx import Graph
 
-from .logs import count, log
+from .logs import log, refuse
 from .options import FusionOptions
+from .replace import replace_sites
 
 
 def _sources() -> tuple[str, ...]:
@@ -56,19 +47,21 @@ class H3FusionPass(INFERENCE_AWARE or CustomGraphPass):
     """Fuse the AdaLN modulation sites of a post-grad graph; then run ``chained`` (the passes the user set),
     in order, each called as Inductor would call it (with ``is_inference`` where it is inference-aware)."""
 
-    def __init__(self, options: FusionOptions = FusionOptions(), chained=None):
+    def __init__(self, options: FusionOptions = FusionOptions(), chained=None, fuse: bool = True):
         self.options = options
+        self.fusing = fuse  # False: only the chained passes run (the sites were fused before autograd)
         # None, one pass, or a list or tuple of them; a pass of ours stands for the passes it chains, so that
         # compiling through the backend twice chains the user's passes once, not our pass inside our pass
         self.chained = tuple(q for p in _post_grad_passes(chained)
                              for q in (p.chained if isinstance(p, H3FusionPass) else (p,)))
 
     def __call__(self, graph: Graph, is_inference: bool | None = None) -> None:
-        start = time.perf_counter()
-        fused = self.fuse(graph)
-        if fused:
-            graph.lint()
-        log.debug("h3_fused: %d site(s) fused in %.1f ms", fused, 1e3 * (time.perf_counter() - start))
+        if self.fusing:
+            start = time.perf_counter()
+            fused = self.fuse(graph)
+            if fused:
+                graph.lint()
+            log.debug("h3_fused: %d site(s) fused in %.1f ms", fused, 1e3 * (time.perf_counter() - start))
         for chained in self.chained:
             if INFERENCE_AWARE is not None and isinstance(chained, INFERENCE_AWARE):
                 chained(graph, is_inference=is_inference)
@@ -76,61 +69,14 @@ class H3FusionPass(INFERENCE_AWARE or CustomGraphPass):
                 chained(graph)
 
     def fuse(self, graph: Graph) -> int:
-        a_sites, c_sites = {}, {}
-        for node in graph.nodes:
-            if node.op != "call_function":
-                continue
-            if is_affine_candidate(node):
-                self._try(node, norm_modulate_site, a_sites)
-            elif is_gated_candidate(node):
-                self._try(node, gate_residual_site, c_sites)
-        sites = []
-        merged_c = set()
-        for a in a_sites.values():
-            c = c_sites.get(a.inputs["x"])
-            if c is not None:
-                try:
-                    sites.append(merge_gate_and_norm(c, a))
-                    merged_c.add(c.outputs[0])
-                    continue
-                except NoMatch as why:
-                    log.debug("h3_fused: not merging %s into %s: %s", c.outputs[0], a.outputs[0], why)
-            sites.append(a)
-        sites += [c for u, c in c_sites.items() if u not in merged_c]
-        fused = 0
-        renamed = {}  # outputs of replaced sites -> the fused op's outputs (inputs of later sites)
-        for site in sites:
-            site.inputs = {k: renamed.get(v, v) for k, v in site.inputs.items()}
-            policy = resolve_policy(self.options.dtype_policy, device_of(site.lead))
-            try:
-                new_outputs = replace_site(graph, site, policy)
-            except NoMatch as why:
-                self._refuse(site.outputs[-1], why)
-                continue
-            renamed.update(zip(site.outputs, new_outputs))
-            fused += 1
-            count(site.kind.value)
-            log.debug("h3_fused: fused site %s at %s as h3_fused::%s (policy %s)", site.kind.letter,
-                      ", ".join(map(str, site.outputs)), site.kind.value, policy)
-        return fused
-
-    def _try(self, node, matcher, found: dict) -> None:
-        try:
-            site = matcher(node)
-        except NoMatch as why:
-            self._refuse(node, why)
-            return
-        found[site.outputs[0]] = site
-
-    @staticmethod
-    def _refuse(node, why) -> None:
-        count("refused")
-        log.debug("h3_fused: refused candidate %s: %s", node, why)
+        """Replace every site of ``graph``; the number replaced."""
+        sites = find_sites(graph, refuse, note=log.debug)
+        return replace_sites(graph, sites, self.options, decomposed=True)
 
     def uuid(self) -> bytes | None:
         chained = tuple(p.uuid() if isinstance(p, CustomGraphPass) else None for p in self.chained)
         if not all(chained):
             return None  # an opaque user pass: caching would be unsafe (Inductor bypasses the cache for it too)
         digest = hashlib.sha256(get_hash_for_files(_sources()))
-        digest.update(repr((self.options, torch.__version__, chained)).encode())
+        digest.update(repr((self.options, self.fusing, torch.__version__, chained)).encode())
         return digest.digest()

@@ -22,3 +22,9 @@ torch_logging.register_log(LOG_NAME, LOG_NAME)
 
 def count(key: str, n: int = 1) -> None:
     counters[LOG_NAME][key] += n
+
+
+def refuse(node, why) -> None:
+    """Count and log a candidate that is not a site."""
+    count("refused")
+    log.debug("h3_fused: refused candidate %s: %s", node, why)

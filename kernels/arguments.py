@@ -15,7 +15,7 @@ import torch
 from .contract import Rounding, rounding_for
 from .policy import check_policy, resolve_policy
 
-ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)  # fp64: the reference only
 TABLE_DTYPES = ACTIVATION_DTYPES
 INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -63,6 +63,11 @@ class ModulationArgs:
     eps: float
     policy: str
     rounding: Rounding
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """What the reference computes in: fp64 for fp64 activations, else fp32."""
+        return torch.float64 if self.dtype == torch.float64 else torch.float32
 
     @property
     def rows(self) -> int:

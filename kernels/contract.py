@@ -60,7 +60,7 @@ def rounding_for(policy: str, activation: torch.dtype, gate_table: torch.dtype |
     """The rounding points of the eager graph under ``bf16``; only the stored ones under ``fp32``."""
     if policy == "fp32":
         return Rounding(False, False, False, False, fused_multiply_add=True)
-    if activation == torch.float32:
+    if activation in (torch.float32, torch.float64):  # nothing to round to
         return Rounding(False, False, False, False)
 
     def low(table):

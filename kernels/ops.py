@@ -11,8 +11,8 @@ would not record it (``direct_call``), else the op: in eager the dispatcher's la
 than the kernel takes at small T. The body launches the kernel without ``wrap_triton`` on the same
 condition. The op (``public_function.op``) is what graphs hold and what ``opcheck`` checks.
 
-The ops have no backward yet: a call where grad mode is on and an input requires grad is refused where it
-is made, naming the input (``_refuse_grad``), instead of when ``backward`` reaches the op.
+Their backward (``backward.py``) is ``h3_fused::modulation_backward``, a ``triton_op`` as well, so that
+Inductor inlines the backward kernels into the compiled backward graph as it inlines the forward's.
 """
 
 from __future__ import annotations
@@ -38,33 +38,40 @@ def _empty_outputs(a: ModulationArgs, want_u: bool, want_y: bool):
     return make(want_u), make(want_y)
 
 
-def _triton_allowed(device: torch.device) -> bool:
-    return device.type == "cuda" or (device.type == "cpu" and interpreting())
+def triton_allowed(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the Triton kernels run for tensors of ``dtype`` on ``device`` (else the pure-torch reference):
+    on CUDA, and on CPU tensors under the Triton interpreter; not for fp64, which only the reference takes."""
+    return dtype != torch.float64 and (device.type == "cuda" or (device.type == "cpu" and interpreting()))
 
 
 def _run(a: ModulationArgs, raw: dict, want_u: bool, want_y: bool):
     if a.rows == 0 or a.hidden == 0:
         return _empty_outputs(a, want_u, want_y)
-    if not _triton_allowed(a.device):
+    if not triton_allowed(a.device, a.dtype):
         u, y = torch.ops.h3_fused.reference_modulation(**raw)
         return (u if want_u else None), (y if want_y else None)
     if a.device.type == "cpu":  # the Triton interpreter: validate indices on the host
-        _check_index_on_host(a)
+        check_index_on_host(a)
     u, y = _empty_outputs(a, want_u, want_y)
-    # wrap_triton is for tracers; an untraced call launches directly. The interpreter (eager kernel tests on
-    # CPU tensors) always does: torch 2.12's wrap_triton refuses its interpreted functions
-    direct = interpreting() or untraced(raw.values())
-    # Triton launches on the current device, whatever the tensors' device, and neither torch.library nor
-    # wrap_triton's eager launch sets a device guard for a Python kernel: every eager launch, direct or
-    # through the dispatcher, enters the tensors' device (a compiled graph's code guards its own device; a
-    # tracer entering it changes nothing it records)
-    elsewhere = a.device.type == "cuda" and a.device.index != torch.cuda.current_device()
-    with torch.cuda.device(a.device) if elsewhere else contextlib.nullcontext():
-        launch_modulation(a, u, y, (lambda kernel: kernel) if direct else wrap_triton)
+    with launch_context(a.device, raw.values()) as wrap:
+        launch_modulation(a, u, y, wrap)
     return u, y
 
 
-def _check_index_on_host(a: ModulationArgs) -> None:
+@contextlib.contextmanager
+def launch_context(device: torch.device, values):
+    """The ``wrap`` to launch a kernel with (``wrap_triton`` for tracers; the identity where a call with these
+    argument ``values`` is untraced, and always under the interpreter, whose kernels torch 2.12's
+    ``wrap_triton`` refuses), inside the tensors' device: Triton launches on the current device, and neither
+    torch.library nor ``wrap_triton``'s eager launch sets a device guard for a Python kernel (a compiled
+    graph's code guards its own device; a tracer entering it changes nothing it records)."""
+    direct = interpreting() or untraced(values)
+    elsewhere = device.type == "cuda" and device.index != torch.cuda.current_device()
+    with torch.cuda.device(device) if elsewhere else contextlib.nullcontext():
+        yield (lambda kernel: kernel) if direct else wrap_triton
+
+
+def check_index_on_host(a: ModulationArgs) -> None:
     bad = (a.index < 0) | (a.index >= a.num_table_rows)
     if bool(bad.any()):
         first = int(bad.nonzero()[0, 0])
@@ -82,7 +89,7 @@ def reference_modulation_op(
     a = check_args(x=x, residual=residual, branch=branch, gate=gate, weight=weight, shift=shift, scale=scale,
                    index=index, eps=eps, policy=policy, norm_rounds_before_weight=norm_rounds_before_weight,
                    upcast_tables=upcast_tables, has_norm=scale is not None)
-    _check_index_on_host(a)
+    check_index_on_host(a)
     u, y = reference_modulation(a)
     nothing = a.index.new_empty(0, dtype=a.dtype)
     return (nothing if u is None else u), (nothing if y is None else y)
@@ -97,36 +104,14 @@ def _(x, residual, branch, gate, weight, shift, scale, index, eps, policy, norm_
     return (nothing if gate is None else out), (nothing if scale is None else torch.empty_like(out))
 
 
-def _refuse_grad(op_name: str):
-    """The ``setup_context`` (which autograd calls only where grad mode is on and a tensor argument
-    requires grad) and ``backward`` of ``h3_fused::op_name``: both raise, so the call fails where it is
-    made."""
-    names = [a.name for a in getattr(torch.ops.h3_fused, op_name).default._schema.arguments]
-
-    def message(name: str) -> str:
-        return (f"{name} requires grad, but h3_fused::{op_name} has no backward yet: call it under "
-                f"torch.no_grad() or torch.inference_mode(), or pass {name}.detach()")
-
-    def setup_context(ctx, inputs, keyword_only_inputs, output):
-        raise NotImplementedError(message(next(n for n, v in zip(names, inputs)
-                                               if isinstance(v, torch.Tensor) and v.requires_grad)))
-
-    def backward(ctx, *grads):  # register_autograd needs one; setup_context has refused before it is needed
-        raise NotImplementedError(message("an input"))
-
-    return backward, setup_context
-
-
 class PublicOp:
-    """The public function of the ``triton_op`` ``h3_fused::name`` whose body is ``body`` (registered here,
-    with ``_refuse_grad``): a call runs the body itself where ``untraced`` allows it and autograd would not
-    record it, else goes through the dispatcher (``dispatched``, ``torch.ops.h3_fused.name``). ``op`` is the
-    ``CustomOpDef``."""
+    """The public function of the ``triton_op`` ``h3_fused::name`` whose body is ``body`` (registered here; its
+    autograd formula in ``backward.py``): a call runs the body itself where ``untraced`` allows it and autograd
+    would not record it, else goes through the dispatcher (``dispatched``, ``torch.ops.h3_fused.name``).
+    ``op`` is the ``CustomOpDef``."""
 
     def __init__(self, name: str, body):
         self.op = triton_op(f"h3_fused::{name}", mutates_args=())(body)
-        backward, setup_context = _refuse_grad(name)
-        self.op.register_autograd(backward, setup_context=setup_context)
         self.body = body
         self.dispatched = getattr(torch.ops.h3_fused, name)
         functools.update_wrapper(self, body)

@@ -1,7 +1,7 @@
 """Pure-torch implementation of the fused modulation, on any device.
 
-It performs the eager graph's operations in the eager order, rounding to the activation dtype ``A``
-exactly where ``Rounding`` says, so on the CPU under the ``bf16`` policy it is bit-identical to the
+It performs the eager graph's operations in the eager order, in fp32 (fp64 for fp64 activations), rounding
+to the activation dtype ``A`` exactly where ``Rounding`` says, so on the CPU under the ``bf16`` policy it is bit-identical to the
 unfused model (the norm with one rounding *is* ``F.rms_norm``, as ``nn.RMSNorm`` calls it). Used for
 CPU tensors, for devices Triton must not be launched on, and as the test oracle of the kernels.
 """
@@ -17,7 +17,8 @@ f32 = torch.float32
 
 
 def _round(v: torch.Tensor, dtype: torch.dtype, rounds: bool) -> torch.Tensor:
-    return v.to(dtype).to(f32) if rounds else v
+    """``v`` rounded to ``dtype`` and back to its own dtype where ``rounds``, else ``v``."""
+    return v.to(dtype).to(v.dtype) if rounds else v
 
 
 def sum_rounded_once(residual: torch.Tensor, gate_rows: torch.Tensor, branch: torch.Tensor,
@@ -46,7 +47,7 @@ def sum_rounded_once(residual: torch.Tensor, gate_rows: torch.Tensor, branch: to
 
 
 def gated_residual(a: ModulationArgs) -> torch.Tensor:
-    """``u = R_A(res + [R_A](gate[idx] * branch))`` as fp32 values.
+    """``u = R_A(res + [R_A](gate[idx] * branch))`` as values of ``a.compute_dtype``.
 
     Under ``fp32`` (``Rounding.fused_multiply_add``) with the gate table in the activation dtype (bf16 or
     fp16), the exact sum is rounded once (``sum_rounded_once``), as the CUDA kernel's multiply-add in that
@@ -54,22 +55,23 @@ def gated_residual(a: ModulationArgs) -> torch.Tensor:
     table under ``fp32`` the kernel's fp32 FMA skips the rounding of the product: the sums can differ in
     fp32's last place, and so, rarely, the stored residuals)."""
     gate_rows = a.gate.index_select(0, a.index.long())
-    if a.rounding.fused_multiply_add and gate_rows.dtype == a.dtype != f32:
+    if a.rounding.fused_multiply_add and gate_rows.dtype == a.dtype and a.dtype in (torch.bfloat16, torch.float16):
         return sum_rounded_once(a.residual, gate_rows, a.branch, a.dtype)
-    product = _round(gate_rows.to(f32) * a.branch.to(f32), a.dtype, a.rounding.gate_product)
-    return _round(a.residual.to(f32) + product, a.dtype, True)
+    c = a.compute_dtype
+    product = _round(gate_rows.to(c) * a.branch.to(c), a.dtype, a.rounding.gate_product)
+    return _round(a.residual.to(c) + product, a.dtype, True)
 
 
 def rms_norm(u: torch.Tensor, a: ModulationArgs) -> torch.Tensor:
-    """``n`` as fp32 values: ``R_A(u*r*w)``, ``R_A(R_A(u*r)*w)`` or unrounded, ``r = rsqrt(mean(u^2)+eps)``."""
+    """``n`` in ``u``'s dtype: ``R_A(u*r*w)``, ``R_A(R_A(u*r)*w)`` or unrounded, ``r = rsqrt(mean(u^2)+eps)``."""
     r = a.rounding
     if r.norm_output and not r.norm_before_weight:
-        return F.rms_norm(u.to(a.dtype), (a.hidden,), a.weight, a.eps).to(f32)
+        return F.rms_norm(u.to(a.dtype), (a.hidden,), a.weight, a.eps).to(u.dtype)
     normed = u * torch.rsqrt(u.pow(2).mean(-1, keepdim=True) + a.eps)
     if a.weight is None:
         return _round(normed, a.dtype, r.norm_output)
     normed = _round(normed, a.dtype, r.norm_before_weight)
-    return _round(normed * a.weight.to(f32), a.dtype, r.norm_output)
+    return _round(normed * a.weight.to(normed.dtype), a.dtype, r.norm_output)
 
 
 def modulate(n: torch.Tensor, a: ModulationArgs) -> torch.Tensor:
@@ -79,9 +81,9 @@ def modulate(n: torch.Tensor, a: ModulationArgs) -> torch.Tensor:
     FMA; this reference rounds the product to fp32 first, so the two can differ by a last-bit flip of the
     output, each within the policy."""
     idx = a.index.long()
-    one_plus = _round(1.0 + a.scale.index_select(0, idx).to(f32), a.dtype, a.rounding.affine)
+    one_plus = _round(1.0 + a.scale.index_select(0, idx).to(n.dtype), a.dtype, a.rounding.affine)
     product = _round(n * one_plus, a.dtype, a.rounding.affine)
-    return (product + a.shift.index_select(0, idx).to(f32)).to(a.dtype)
+    return (product + a.shift.index_select(0, idx).to(n.dtype)).to(a.dtype)
 
 
 def reference_modulation(a: ModulationArgs) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -89,6 +91,61 @@ def reference_modulation(a: ModulationArgs) -> tuple[torch.Tensor | None, torch.
     u = gated_residual(a) if a.gate is not None else None
     if a.scale is None:
         return u.to(a.dtype).view(a.out_shape), None
-    n = rms_norm(u if u is not None else a.x.to(f32), a)
+    n = rms_norm(u if u is not None else a.x.to(a.compute_dtype), a)
     y = modulate(n, a).view(a.out_shape)
     return (u.to(a.dtype).view(a.out_shape) if u is not None else None), y
+
+
+def _index_sum(rows: torch.Tensor, index: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """``out[k] = sum of rows[t] where index[t] == k``, in the rows' dtype, summed in the rows' order."""
+    return rows.new_zeros(num_rows, rows.shape[-1]).index_add_(0, index, rows)
+
+
+def reference_backward(a: ModulationArgs, u: torch.Tensor | None, dy: torch.Tensor | None, du: torch.Tensor | None,
+                       needs) -> dict[str, torch.Tensor]:
+    """The gradients ``needs`` asks for (``launch_backward.Needs``), by the backward contract of ``contract.Rounding``:
+    keys ``lead`` (``dx``, or ``dresidual``), ``branch``, ``gate``, ``weight``, ``shift``, ``scale``, each in its
+    input's dtype and shape. ``u`` is what the forward normalized (``x``, or the stored residual; ``[R, H]``),
+    ``dy``/``du`` the incoming gradients of ``y`` and ``u`` (``[R, H]``). Arithmetic in fp32 (fp64 for fp64
+    activations); table and weight gradients are summed in that precision and rounded once."""
+    compute = a.compute_dtype
+    rnd = a.rounding
+    idx = a.index.long()
+
+    def R(v, rounds):
+        return v.to(a.dtype).to(compute) if rounds else v
+
+    sums = {}
+    if a.scale is not None:
+        dy_c = dy.to(compute)
+        u_c = u.to(compute)
+        r = torch.rsqrt(u_c.pow(2).mean(-1, keepdim=True) + a.eps)
+        xhat = u_c * r
+        scale_rows = a.scale.index_select(0, idx)
+        p = R(1.0 + scale_rows.to(compute), rnd.affine)
+        dn = R(dy_c * p, rnd.norm_output)
+        w = a.weight.to(compute) if a.weight is not None else None
+        dxhat = R(dn * w, rnd.norm_before_weight) if w is not None else dn
+        du_n = R(r * (dxhat - xhat * (dxhat * xhat).mean(-1, keepdim=True)), rnd.norm_output)
+        du_t = R(du.to(compute) + du_n, rnd.norm_output) if a.gate is not None else du_n
+        normed = R(xhat, rnd.norm_before_weight)
+        n = R(normed * w if w is not None else normed, rnd.norm_output)
+        if needs.shift:
+            sums["shift"] = _index_sum(dy_c, idx, a.shift.shape[0])
+        if needs.scale:
+            sums["scale"] = _index_sum(dy_c * n, idx, a.scale.shape[0])
+        if needs.weight and w is not None:
+            sums["weight"] = (dn * normed).sum(0)
+    else:
+        du_t = du.to(compute)
+    grads = {}
+    if needs.lead:
+        grads["lead"] = du_t.to(a.dtype, copy=True)  # never the incoming gradient itself
+    if a.gate is not None:
+        if needs.branch:
+            grads["branch"] = (du_t * a.gate.index_select(0, idx).to(compute)).to(a.dtype)
+        if needs.gate:
+            sums["gate"] = _index_sum(du_t * a.branch.to(compute), idx, a.gate.shape[0])
+    for name, total in sums.items():
+        grads[name] = total.to(getattr(a, name).dtype)
+    return grads

@@ -1,7 +1,8 @@
-"""Search/replace of the AdaLN modulation sites in post-grad FX graphs (no kernel internals here)."""
+"""Search/replace of the AdaLN modulation sites in aten FX graphs (no kernel internals here)."""
 
 from .graph_view import NoMatch
 from .replacements import replace_site
+from .search import find_sites
 from .sites import (
     Site,
     SiteKind,
@@ -13,6 +14,6 @@ from .sites import (
 )
 
 __all__ = [
-    "NoMatch", "Site", "SiteKind", "gate_residual_site", "is_affine_candidate", "is_gated_candidate",
+    "NoMatch", "Site", "SiteKind", "find_sites", "gate_residual_site", "is_affine_candidate", "is_gated_candidate",
     "merge_gate_and_norm", "norm_modulate_site", "replace_site",
 ]

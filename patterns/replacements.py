@@ -1,9 +1,12 @@
 """Replace side: put one ``torch.ops.h3_fused`` call where a matched site was.
 
-The replacement function is traced under functionalization, so a ``triton_op`` decomposes into its
-Triton kernel call (inlined by Inductor) on CUDA, and into the opaque pure-torch op on the CPU. The
-traced nodes are spliced in after the site's last input and before the first outside use of its
-outputs; the site's interior nodes are then erased.
+Two forms: ``decomposed`` (Inductor's post-grad graphs, inference) traces the replacement under
+functionalization, so the ``triton_op`` decomposes into its Triton kernel call (inlined by Inductor) on
+CUDA, and into the opaque pure-torch op on the CPU; otherwise (the graph the backend traces before
+autograd, training) the replacement is a call of the op itself, whose registered autograd formula
+AOT autograd then traces into the fused forward and backward. The traced nodes are spliced in after the
+site's last input and before the first outside use of its outputs, carrying the site's activation
+checkpointing tags; the site's interior nodes are then erased.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from torch._guards import detect_fake_mode
 from torch._inductor.pattern_matcher import fwd_only
 from torch._subclasses.functional_tensor import dispatch_functionalize
 from torch.fx import Graph, Node
+from torch.fx.experimental.proxy_tensor import make_fx
 
 from .graph_view import NoMatch, expect
 from .sites import Site, SiteKind
@@ -45,7 +49,12 @@ def _position(graph: Graph) -> dict[Node, int]:
     return {n: i for i, n in enumerate(graph.nodes)}
 
 
-def replace_site(graph: Graph, site: Site, policy: str) -> list[Node]:
+# What the replacement takes over from the site: the model's source line, and the tags with which
+# torch.utils.checkpoint's tracing marks its region (the partitioner recomputes such nodes in the backward)
+INHERITED_META = ("stack_trace", "nn_module_stack", "recompute", "ac_graph_id")
+
+
+def replace_site(graph: Graph, site: Site, policy: str, decomposed: bool = True) -> list[Node]:
     """Splice the fused op in for ``site``; returns its new output nodes (``NoMatch`` if it cannot)."""
     fn, inputs = replacement_fn(site, policy)
     pos = _position(graph)
@@ -56,10 +65,16 @@ def replace_site(graph: Graph, site: Site, policy: str) -> list[Node]:
            "an output is used before every input of the site is ready")
     vals = [n.meta["val"] for n in inputs]
     with detect_fake_mode(vals) or contextlib.nullcontext():  # Triton HOPs trace only under the fake mode
-        traced = fwd_only(dispatch_functionalize(fn), vals)
+        traced = fwd_only(dispatch_functionalize(fn), vals) if decomposed else make_fx(fn)(*vals)
     placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
-    with graph.inserting_before(last_input.next):
+    inherited = {k: site.outputs[-1].meta[k] for k in INHERITED_META if k in site.outputs[-1].meta}
+    after = last_input.next
+    with graph.inserting_before(after):
         new_outputs = graph.graph_copy(traced.graph, dict(zip(placeholders, inputs)))
+    node = last_input.next
+    while node is not after:
+        node.meta.update(inherited)
+        node = node.next
     for old, new in zip(site.outputs, new_outputs):
         new.meta.setdefault("val", old.meta.get("val"))
         old.replace_all_uses_with(new)

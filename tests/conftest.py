@@ -16,7 +16,7 @@ def pytest_collection_modifyitems(config, items):
     (the variable makes every op on CPU tensors launch the interpreted kernel)."""
     skips = {
         "gpu": None if torch.cuda.is_available() else "needs a CUDA device",
-        "interpreted": None if INTERPRETING else "needs TRITON_INTERPRET=1 (python -m pytest -m interpreted)",
+        "interpreted": None if INTERPRETING else "needs TRITON_INTERPRET=1 (TRITON_INTERPRET=1 pytest -m interpreted)",
     }
     for item in items:
         marked = [m for m in skips if m in item.keywords]

@@ -1,5 +1,5 @@
 """``benchmarks/sites.py``'s side-by-side launches and the hand-fused baseline, on small CPU tensors under
-Triton's interpreter (``TRITON_INTERPRET=1 python -m pytest -m interpreted``)."""
+Triton's interpreter (``TRITON_INTERPRET=1 pytest -m interpreted``)."""
 
 from __future__ import annotations
 

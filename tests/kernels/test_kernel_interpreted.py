@@ -1,6 +1,6 @@
 """The Triton kernels' logic on CPU tensors, under Triton's interpreter.
 
-Run by a second pytest call, ``TRITON_INTERPRET=1 python -m pytest -m interpreted`` (the variable must be set
+Run by a second pytest call, ``TRITON_INTERPRET=1 pytest -m interpreted`` (the variable must be set
 before Triton is imported; ``tests/conftest.py`` skips these tests in any other session). The interpreter
 truncates conversions to bf16, so the kernels round on the bits there (``INTERPRETED``): results are held to
 the pure-torch reference, bit for bit where the order of an fp32 sum does not enter.

@@ -1,0 +1,32 @@
+"""Replacing the sites a search found, under the pass's options: counted, logged, each output renamed for the
+sites that read it."""
+
+from __future__ import annotations
+
+from h3_fused.kernels.policy import resolve_policy
+from h3_fused.patterns import NoMatch, Site, replace_site
+from h3_fused.patterns.graph_view import device_of
+from torch.fx import Graph
+
+from .logs import count, log, refuse
+from .options import FusionOptions
+
+
+def replace_sites(graph: Graph, sites: list[Site], options: FusionOptions, decomposed: bool) -> int:
+    """Replace ``sites`` in ``graph`` (``replace_site``'s ``decomposed`` form or op calls); the number replaced."""
+    fused = 0
+    renamed = {}  # outputs of replaced sites -> the fused op's outputs (inputs of later sites)
+    for site in sites:
+        site.inputs = {k: renamed.get(v, v) for k, v in site.inputs.items()}
+        policy = resolve_policy(options.dtype_policy, device_of(site.lead))
+        try:
+            new_outputs = replace_site(graph, site, policy, decomposed)
+        except NoMatch as why:
+            refuse(site.outputs[-1], why)
+            continue
+        renamed.update(zip(site.outputs, new_outputs))
+        fused += 1
+        count(site.kind.value)
+        log.debug("h3_fused: fused site %s at %s as h3_fused::%s (policy %s)", site.kind.letter,
+                  ", ".join(map(str, site.outputs)), site.kind.value, policy)
+    return fused

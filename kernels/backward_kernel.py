@@ -1,0 +1,257 @@
+"""The backward kernels: one parameterised Triton kernel for the gradients of the three sites, and the
+fixed-order reduction of its per-program partial sums (device code only; ``launch_backward.py`` launches them).
+
+Per row ``t`` (``i = index[t]``, fp32 unless said, ``R`` = round to the activation dtype where
+``ROUND_NORM``; the forward's ``u`` is read back: ``x`` at site A, the stored residual at site B):
+
+    r     = rsqrt(sum(u*u) / H + eps)                 xhat = u * r
+    p     = 1 + scale[i]                              (R if ROUND_AFFINE: the forward's p)
+    dn    = dy * p                                    (R if ROUND_NORM)
+    dxhat = dn * w                                    (R if ROUND_NORM_BEFORE_WEIGHT; dn without a weight)
+    du_n  = r * (dxhat - xhat * sum(dxhat * xhat) / H)   (R if ROUND_NORM)
+    du_t  = du + du_n (site B; R if ROUND_NORM), du_n (site A), du (site C)
+    dx = du_t (site A) or dresidual = du_t (sites B, C);  dbranch = R(du_t * gate[i])    -> stored
+
+and the sums over rows, in fp32: ``dshift[i] += dy``, ``dscale[i] += dy * n`` (``n`` the forward's normalized
+row), ``dgate[i] += du_t * branch``, ``dw += dn * xhat`` (``* R(xhat)`` where ``ROUND_NORM_BEFORE_WEIGHT``).
+``contract.Rounding`` states the same contract; the ``NEED_*`` flags leave out what autograd does not ask for.
+
+Each program runs through ``rows_per_program`` consecutive rows, one row at a time, the row in registers in
+chunks of ``CHUNK`` columns, and adds each row's contribution to the table and weight gradients into
+fp32 registers. Where table gradients are needed (``SORTED``), the rows are visited in the order of a stable
+sort of the index (``order``), so a program's rows share one table row but where a run of the sorted index
+ends inside it; there it writes its sums so far to slot ``program + i`` of the partial buffer and starts
+again (slots are distinct: programs and table rows both increase along the sorted order). Without
+``SORTED`` a program writes one slot, ``program``. ``reduce_partials_kernel`` then sums each table row's
+slots, and the weight's, in program order and rounds once: no atomics, the same bits on every run.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .device_math import rounded, rsqrt, widened
+
+
+@triton.jit
+def _zeros(CHUNKS: tl.constexpr, CHUNK: tl.constexpr):
+    """A tuple of ``CHUNKS`` fp32 zero chunks: one accumulator of a whole row."""
+    acc = ()
+    for _ in tl.static_range(CHUNKS):
+        acc = acc + (tl.zeros([CHUNK], tl.float32),)
+    return acc
+
+
+@triton.jit
+def _everywhere(flag, lanes):
+    """The scalar ``flag`` as a block like ``lanes`` (the interpreter takes no scalar in a block's mask)."""
+    return lanes * 0 + flag.to(tl.int32) != 0
+
+
+@triton.jit
+def _add_at(acc, c: tl.constexpr, value):
+    """``acc`` with ``value`` added to its chunk ``c``."""
+    out = ()
+    for j in tl.static_range(len(acc)):
+        out = out + (acc[j] + value,) if j == c else out + (acc[j],)
+    return out
+
+
+@triton.jit
+def _flush(acc, part_ptr, slot, write, lanes, CHUNK: tl.constexpr, HIDDEN: tl.constexpr):
+    """Store the row accumulator ``acc`` to slot ``slot`` of a partial buffer where ``write``; return it zeroed
+    there."""
+    out = ()
+    written = _everywhere(write, lanes)
+    for c in tl.static_range(len(acc)):
+        cols = c * CHUNK + lanes
+        tl.store(part_ptr + slot * HIDDEN + cols, acc[c], mask=(cols < HIDDEN) & written)
+        out = out + (tl.where(written, 0.0, acc[c]),)
+    return out
+
+
+@triton.jit
+def _normed_input_gradient(dy, scale, w, act: tl.constexpr, HAS_WEIGHT: tl.constexpr, ROUND_NORM: tl.constexpr,
+                           ROUND_NORM_BEFORE_WEIGHT: tl.constexpr, ROUND_AFFINE: tl.constexpr,
+                           INTERPRETED: tl.constexpr):
+    """``(dn, dxhat)`` of one chunk: the gradients reaching the norm's output and its normalized row."""
+    p = rounded(1.0 + scale.to(tl.float32), act, INTERPRETED) if ROUND_AFFINE else 1.0 + widened(scale)
+    dn = widened(dy) * p
+    if ROUND_NORM:
+        dn = rounded(dn, act, INTERPRETED)
+    dxhat = dn
+    if HAS_WEIGHT:
+        dxhat = dn * widened(w)
+        if ROUND_NORM_BEFORE_WEIGHT:
+            dxhat = rounded(dxhat, act, INTERPRETED)
+    return dn, dxhat
+
+
+@triton.jit
+def _row(s, valid, order_ptr, idx_ptr, num_table_rows, SORTED: tl.constexpr):
+    """``(t, k)``: the row at position ``s`` of the visiting order and its table row (clamped: every load reads
+    in bounds, whatever the index; an index out of range fails the assertion)."""
+    s = tl.where(valid, s, 0)
+    t = tl.load(order_ptr + s).to(tl.int64) if SORTED else s
+    k = tl.load(idx_ptr + t).to(tl.int64)
+    tl.device_assert(~valid | ((k >= 0) & (k < num_table_rows)), "h3_fused: index out of range [0, K)")
+    return t, tl.minimum(tl.maximum(k, 0), num_table_rows - 1)
+
+
+@triton.jit
+def _chunks(ptr, t, stride, valid, lanes, WANTED: tl.constexpr, CHUNK: tl.constexpr, HIDDEN: tl.constexpr):
+    """Row ``t`` of a ``[R, H]`` tensor as a tuple of chunks (an empty tuple where not ``WANTED``); read once,
+    so it bypasses L1."""
+    out = ()
+    if WANTED:
+        for c in tl.static_range(triton.cdiv(HIDDEN, CHUNK)):
+            cols = c * CHUNK + lanes
+            out = out + (tl.load(ptr + t * stride + cols, mask=(cols < HIDDEN) & _everywhere(valid, lanes), other=0.0,
+                                 cache_modifier=".cg"),)
+    return out
+
+
+@triton.jit(debug=True)
+def modulation_backward_kernel(
+    u_ptr, branch_ptr, gate_ptr, w_ptr, scale_ptr, idx_ptr, order_ptr, dy_ptr, du_ptr, dx_ptr, dbranch_ptr,
+    part_shift_ptr, part_scale_ptr, part_gate_ptr, part_w_ptr,
+    n_rows, num_table_rows, rows_per_program, eps,
+    stride_u, stride_branch, stride_gate, stride_scale, stride_dy, stride_du,
+    HIDDEN: tl.constexpr, HAS_GATE: tl.constexpr, HAS_NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+    ROUND_NORM: tl.constexpr, ROUND_NORM_BEFORE_WEIGHT: tl.constexpr, ROUND_AFFINE: tl.constexpr,
+    NEED_X: tl.constexpr, NEED_BRANCH: tl.constexpr, NEED_SHIFT: tl.constexpr, NEED_SCALE: tl.constexpr,
+    NEED_GATE: tl.constexpr, NEED_W: tl.constexpr, SORTED: tl.constexpr, PREFETCH: tl.constexpr,
+    INTERPRETED: tl.constexpr, CHUNK: tl.constexpr,
+):
+    act: tl.constexpr = dx_ptr.dtype.element_ty
+    CHUNKS: tl.constexpr = triton.cdiv(HIDDEN, CHUNK)
+    GROUPED: tl.constexpr = NEED_SHIFT or NEED_SCALE or NEED_GATE
+    program = tl.program_id(0).to(tl.int64)  # int64 throughout: no int32 overflow checks under debug=True
+    begin = program * rows_per_program
+    end = tl.minimum(begin + rows_per_program, n_rows)
+    lanes = tl.arange(0, CHUNK)
+    acc_shift, acc_scale = _zeros(CHUNKS, CHUNK), _zeros(CHUNKS, CHUNK)
+    acc_gate, acc_w = _zeros(CHUNKS, CHUNK), _zeros(CHUNKS, CHUNK)
+    t_next, k_next = _row(begin, begin < end, order_ptr, idx_ptr, num_table_rows, SORTED)
+    current = k_next  # the table row the accumulators belong to
+    if PREFETCH:  # the row's streamed inputs arrive during the previous row's work
+        dy_next = _chunks(dy_ptr, t_next, stride_dy, begin < end, lanes, HAS_NORM, CHUNK, HIDDEN)
+        u_next = _chunks(u_ptr, t_next, stride_u, begin < end, lanes, HAS_NORM, CHUNK, HIDDEN)
+    for s in range(begin, end):
+        t, k = t_next, k_next
+        if PREFETCH:
+            dys, us = dy_next, u_next
+            t_next, k_next = _row(s + 1, s + 1 < end, order_ptr, idx_ptr, num_table_rows, SORTED)
+            dy_next = _chunks(dy_ptr, t_next, stride_dy, s + 1 < end, lanes, HAS_NORM, CHUNK, HIDDEN)
+            u_next = _chunks(u_ptr, t_next, stride_u, s + 1 < end, lanes, HAS_NORM, CHUNK, HIDDEN)
+        else:
+            dys = _chunks(dy_ptr, t, stride_dy, s < end, lanes, HAS_NORM, CHUNK, HIDDEN)
+            us = _chunks(u_ptr, t, stride_u, s < end, lanes, HAS_NORM, CHUNK, HIDDEN)
+            t_next, k_next = _row(s + 1, s + 1 < end, order_ptr, idx_ptr, num_table_rows, SORTED)
+        if GROUPED:  # a run of the sorted index ends: its sums go to their own slot
+            changed = k != current
+            slot = program + current
+            if NEED_SHIFT:
+                acc_shift = _flush(acc_shift, part_shift_ptr, slot, changed, lanes, CHUNK, HIDDEN)
+            if NEED_SCALE:
+                acc_scale = _flush(acc_scale, part_scale_ptr, slot, changed, lanes, CHUNK, HIDDEN)
+            if NEED_GATE:
+                acc_gate = _flush(acc_gate, part_gate_ptr, slot, changed, lanes, CHUNK, HIDDEN)
+            current = k
+        if HAS_NORM:  # pass 1: the row's sum of squares and sum(dxhat * u)
+            squares = tl.zeros([CHUNK], tl.float32)
+            products = tl.zeros([CHUNK], tl.float32)
+            for c in tl.static_range(CHUNKS):
+                cols = c * CHUNK + lanes
+                ok = cols < HIDDEN
+                scale = tl.load(scale_ptr + k * stride_scale + cols, mask=ok, other=0.0)
+                w = tl.load(w_ptr + cols, mask=ok, other=0.0) if HAS_WEIGHT else 0.0
+                u32 = widened(us[c])
+                squares += u32 * u32
+                _, dxhat = _normed_input_gradient(dys[c], scale, w, act, HAS_WEIGHT, ROUND_NORM,
+                                                  ROUND_NORM_BEFORE_WEIGHT, ROUND_AFFINE, INTERPRETED)
+                products += dxhat * u32
+            r = rsqrt(tl.sum(squares, axis=0) * tl.cast(1.0 / HIDDEN, tl.float32) + tl.cast(eps, tl.float32),
+                      INTERPRETED)
+            mean_product = tl.sum(products, axis=0) * r * tl.cast(1.0 / HIDDEN, tl.float32)  # mean(dxhat * xhat)
+        for c in tl.static_range(CHUNKS):  # pass 2: the row's gradients
+            cols = c * CHUNK + lanes
+            ok = cols < HIDDEN
+            if HAS_GATE:
+                du_t = tl.load(du_ptr + t * stride_du + cols, mask=ok, other=0.0, cache_modifier=".cg").to(tl.float32)
+            if HAS_NORM:
+                dy = dys[c]
+                xhat = widened(us[c]) * r
+                scale = tl.load(scale_ptr + k * stride_scale + cols, mask=ok, other=0.0)
+                w = tl.load(w_ptr + cols, mask=ok, other=0.0) if HAS_WEIGHT else 0.0
+                dn, dxhat = _normed_input_gradient(dy, scale, w, act, HAS_WEIGHT, ROUND_NORM, ROUND_NORM_BEFORE_WEIGHT,
+                                                   ROUND_AFFINE, INTERPRETED)
+                du_n = r * (dxhat - xhat * mean_product)
+                if ROUND_NORM:
+                    du_n = rounded(du_n, act, INTERPRETED)
+                if HAS_GATE:
+                    du_t = du_t + du_n
+                    if ROUND_NORM:
+                        du_t = rounded(du_t, act, INTERPRETED)
+                else:
+                    du_t = du_n
+                normed = xhat
+                if ROUND_NORM_BEFORE_WEIGHT:
+                    normed = rounded(normed, act, INTERPRETED)
+                if NEED_W:
+                    acc_w = _add_at(acc_w, c, dn * normed)
+                if NEED_SHIFT:
+                    acc_shift = _add_at(acc_shift, c, widened(dy))
+                if NEED_SCALE:
+                    n = normed * widened(w) if HAS_WEIGHT else normed
+                    if ROUND_NORM:
+                        n = rounded(n, act, INTERPRETED)
+                    acc_scale = _add_at(acc_scale, c, widened(dy) * n)
+            if NEED_X:
+                tl.store(dx_ptr + t * HIDDEN + cols, rounded(du_t, act, INTERPRETED).to(act), mask=ok)
+            if NEED_BRANCH:
+                gate = tl.load(gate_ptr + k * stride_gate + cols, mask=ok, other=0.0)
+                tl.store(dbranch_ptr + t * HIDDEN + cols, rounded(du_t * widened(gate), act, INTERPRETED).to(act),
+                         mask=ok)
+            if NEED_GATE:
+                branch = tl.load(branch_ptr + t * stride_branch + cols, mask=ok, other=0.0, cache_modifier=".cg")
+                acc_gate = _add_at(acc_gate, c, du_t * widened(branch))
+    if GROUPED:  # the last run's sums
+        slot = program + current
+        if NEED_SHIFT:
+            _flush(acc_shift, part_shift_ptr, slot, end > begin, lanes, CHUNK, HIDDEN)
+        if NEED_SCALE:
+            _flush(acc_scale, part_scale_ptr, slot, end > begin, lanes, CHUNK, HIDDEN)
+        if NEED_GATE:
+            _flush(acc_gate, part_gate_ptr, slot, end > begin, lanes, CHUNK, HIDDEN)
+    if NEED_W:
+        _flush(acc_w, part_w_ptr, program, end > begin, lanes, CHUNK, HIDDEN)
+
+
+@triton.jit
+def reduce_partials_kernel(part_ptr, out_ptr, seg_ptr, rows_per_program, n_programs, stride_out,
+                           HIDDEN: tl.constexpr, BLOCK: tl.constexpr, GROUPED: tl.constexpr,
+                           INTERPRETED: tl.constexpr):
+    """Row ``k`` (``program_id(1)``) of a gradient: the sum of its partial slots, in program order, rounded once
+    to ``out_ptr``'s dtype. ``GROUPED`` (table gradients): the slots ``p + k`` of the programs ``p`` whose rows
+    include sorted positions ``seg[k]`` to ``seg[k + 1] - 1``, the rows of table row ``k``; else (the weight)
+    slots ``0 .. n_programs - 1``."""
+    k = tl.program_id(1).to(tl.int64)
+    cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < HIDDEN
+    if GROUPED:
+        lo = tl.load(seg_ptr + k).to(tl.int64)
+        hi = tl.load(seg_ptr + k + 1).to(tl.int64)
+        first = lo // rows_per_program
+        stop = tl.where(hi > lo, (hi - 1) // rows_per_program + 1, first)
+        offset = k
+    else:
+        first = 0
+        stop = n_programs + 0 * k
+        offset = 0
+    total = tl.zeros([BLOCK], tl.float32)
+    for p in range(first, stop):
+        total += tl.load(part_ptr + (p + offset) * HIDDEN + cols, mask=ok, other=0.0)
+    out: tl.constexpr = out_ptr.dtype.element_ty
+    tl.store(out_ptr + k * stride_out + cols, rounded(total, out, INTERPRETED).to(out), mask=ok)

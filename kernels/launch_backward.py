@@ -1,0 +1,138 @@
+"""Host side of the backward kernels: which gradients to compute, the launch configuration, the launches.
+
+One launch of ``modulation_backward_kernel`` computes the activation gradients and each program's fp32
+partial sums of the table and weight gradients; one launch of ``reduce_partials_kernel`` per table or
+weight gradient sums them in a fixed order (docs/DESIGN.md, "The backward"). Where table gradients are
+needed, the rows are visited in the order of a stable sort of the index (``torch.sort``), so that a
+program's rows share a table row; ``seg[k]`` (``torch.searchsorted``) is where table row ``k``'s rows
+begin in that order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .arguments import ModulationArgs
+from .backward_kernel import modulation_backward_kernel, reduce_partials_kernel
+from .launch import ceil_div, interpreting
+
+BACKWARD_MAX_CHUNK = 2048  # columns of a row a program holds at a time: 4 per thread on 16 warps
+PROGRAMS_PER_SM = 1  # each program holds two rows and its fp32 sums in registers: one fills an SM's registers
+MIN_ROWS_PER_PROGRAM = 8  # fewer rows per program would cost more in partial sums than it gains in programs
+INTERPRETED_PROGRAMS = 3  # under the interpreter: several programs, several rows each, runs ending inside one
+REDUCE_BLOCK = 1024
+
+
+@dataclass(frozen=True)
+class Needs:
+    """Which gradients autograd asks for: of the lead input (``x``, or ``residual``), ``branch``, the ``gate``,
+    ``shift`` and ``scale`` tables, and the norm ``weight``."""
+
+    lead: bool = True
+    branch: bool = True
+    gate: bool = True
+    weight: bool = True
+    shift: bool = True
+    scale: bool = True
+
+    @property
+    def tables(self) -> bool:
+        return self.gate or self.shift or self.scale
+
+
+@dataclass(frozen=True)
+class BackwardConfig:
+    """``chunk`` columns at a time on ``num_warps`` warps; ``programs`` programs of ``rows_per_program`` rows;
+    ``prefetch``: each row's streamed inputs are loaded during the previous row's work."""
+
+    chunk: int
+    num_warps: int
+    rows_per_program: int
+    programs: int
+    prefetch: bool = True
+
+
+def backward_config(hidden: int, rows, device: torch.device) -> BackwardConfig:
+    """Rows in chunks of at most ``BACKWARD_MAX_CHUNK`` columns, 4 per thread; ``PROGRAMS_PER_SM`` programs per SM,
+    each with at least ``MIN_ROWS_PER_PROGRAM`` rows; each row's streamed inputs prefetched during the
+    previous row's work (docs/DESIGN.md, "The backward"). ``rows`` may be symbolic."""
+    chunk = min(1 << (int(hidden) - 1).bit_length(), BACKWARD_MAX_CHUNK)
+    num_warps = max(1, min(16, chunk // 128))
+    if device.type == "cuda":
+        target = PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
+    else:
+        target = INTERPRETED_PROGRAMS
+    rows_per_program = torch.sym_max(MIN_ROWS_PER_PROGRAM, ceil_div(rows, target)) if device.type == "cuda" else \
+        ceil_div(rows, target)
+    return BackwardConfig(chunk, num_warps, rows_per_program, ceil_div(rows, rows_per_program))
+
+
+def _empty_like_rows(a: ModulationArgs):
+    return torch.empty((a.rows, a.hidden), dtype=a.dtype, device=a.device)
+
+
+def launch_backward(a: ModulationArgs, u: torch.Tensor | None, dy: torch.Tensor | None, du: torch.Tensor | None,
+                    needs: Needs, wrap, config: BackwardConfig | None = None) -> dict[str, torch.Tensor]:
+    """The gradients ``needs`` asks for, as ``reference.reference_backward`` returns them (same keys, dtypes and
+    shapes; rows ``[R, H]``), computed by the Triton kernels (``wrap`` = ``torch.library.wrap_triton``, or the
+    identity for a direct launch) with ``config`` (default: ``backward_config``'s). ``a``: the forward's checked
+    arguments; ``u``, ``dy``, ``du``: ``[R, H]`` rows with unit column stride."""
+    has_gate, has_norm = a.gate is not None, a.scale is not None
+    need_w = needs.weight and a.weight is not None
+    want = dict(shift=needs.shift and has_norm, scale=needs.scale and has_norm, gate=needs.gate and has_gate)
+    config = config or backward_config(a.hidden, a.rows, a.device)
+    grads = {}
+    if needs.lead:
+        grads["lead"] = _empty_like_rows(a)
+    if needs.branch and has_gate:
+        grads["branch"] = _empty_like_rows(a)
+    grouped = any(want.values())
+    if grouped:
+        sorted_index, order = torch.sort(a.index, stable=True)
+        seg = torch.searchsorted(sorted_index, torch.arange(a.num_table_rows + 1, device=a.device,
+                                                            dtype=sorted_index.dtype))
+    else:
+        order = seg = a.index  # not read
+
+    def partials(count, wanted):
+        return torch.empty((count, a.hidden), dtype=torch.float32, device=a.device) if wanted else dy_or_du
+
+    dy_or_du = dy if dy is not None else du
+    slots = config.programs + a.num_table_rows
+    part = {name: partials(slots, wanted) for name, wanted in want.items()}
+    part["weight"] = partials(config.programs, need_w)
+    rows_alias = u if u is not None else du
+    table_alias = a.gate if has_gate else a.scale
+    out_alias = next(iter(grads.values()), dy_or_du)
+    scale = a.scale if has_norm else table_alias
+    wrap(modulation_backward_kernel)[(config.programs,)](
+        rows_alias, a.branch if has_gate else rows_alias, table_alias, a.weight if a.weight is not None else scale,
+        scale, a.index, order, dy if dy is not None else rows_alias, du if du is not None else rows_alias,
+        grads.get("lead", out_alias), grads.get("branch", out_alias),
+        part["shift"], part["scale"], part["gate"], part["weight"],
+        a.rows, a.num_table_rows, config.rows_per_program, a.eps,
+        rows_alias.stride(0), (a.branch if has_gate else rows_alias).stride(0), table_alias.stride(0),
+        scale.stride(0), (dy if dy is not None else rows_alias).stride(0),
+        (du if du is not None else rows_alias).stride(0),
+        HIDDEN=a.hidden, HAS_GATE=has_gate, HAS_NORM=has_norm, HAS_WEIGHT=a.weight is not None,
+        ROUND_NORM=a.rounding.norm_output, ROUND_NORM_BEFORE_WEIGHT=a.rounding.norm_before_weight,
+        ROUND_AFFINE=a.rounding.affine, NEED_X=needs.lead, NEED_BRANCH=needs.branch and has_gate,
+        NEED_SHIFT=want["shift"], NEED_SCALE=want["scale"], NEED_GATE=want["gate"], NEED_W=need_w,
+        SORTED=grouped, PREFETCH=config.prefetch, INTERPRETED=interpreting(), CHUNK=config.chunk,
+        num_warps=config.num_warps,
+    )
+    tables = {name: getattr(a, name) for name, wanted in want.items() if wanted}
+    if need_w:
+        tables["weight"] = a.weight
+    for name, table in tables.items():
+        grouped_sum = name != "weight"
+        out = torch.empty((table.shape[0], a.hidden) if grouped_sum else (a.hidden,), dtype=table.dtype,
+                          device=a.device)
+        wrap(reduce_partials_kernel)[(ceil_div(a.hidden, REDUCE_BLOCK), table.shape[0] if grouped_sum else 1)](
+            part[name], out, seg, config.rows_per_program, config.programs, a.hidden if grouped_sum else 0,
+            HIDDEN=a.hidden, BLOCK=REDUCE_BLOCK, GROUPED=grouped_sum, INTERPRETED=interpreting(),
+        )
+        grads[name] = out
+    return grads

@@ -1,0 +1,50 @@
+"""Finding every site of a graph: candidates by a cheap filter, matched, then each site C whose stored residual
+feeds a site A merged with it into one B-shaped site."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from torch.fx import Graph, Node
+
+from .graph_view import NoMatch
+from .sites import (
+    Site,
+    gate_residual_site,
+    is_affine_candidate,
+    is_gated_candidate,
+    merge_gate_and_norm,
+    norm_modulate_site,
+)
+
+
+def find_sites(graph: Graph, refuse: Callable[[Node, NoMatch], None], note=lambda message: None) -> list[Site]:
+    """The sites of ``graph`` in graph order of their matching: A (or B, merged), then the C not merged.
+    ``refuse(node, why)`` hears of every candidate that is not a site; ``note`` of merges not made."""
+    a_sites: dict[Node, Site] = {}
+    c_sites: dict[Node, Site] = {}
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        matcher, found = ((norm_modulate_site, a_sites) if is_affine_candidate(node) else
+                          (gate_residual_site, c_sites) if is_gated_candidate(node) else (None, None))
+        if matcher is None:
+            continue
+        try:
+            site = matcher(node)
+        except NoMatch as why:
+            refuse(node, why)
+            continue
+        found[site.outputs[0]] = site
+    sites, merged = [], set()
+    for a in a_sites.values():
+        c = c_sites.get(a.inputs["x"])
+        if c is not None:
+            try:
+                sites.append(merge_gate_and_norm(c, a))
+                merged.add(c.outputs[0])
+                continue
+            except NoMatch as why:
+                note(f"not merging the gated residual {c.outputs[0]} into the norm at {a.outputs[0]}: {why}")
+        sites.append(a)
+    return sites + [c for u, c in c_sites.items() if u not in merged]

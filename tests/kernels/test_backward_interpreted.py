@@ -1,0 +1,100 @@
+"""The backward kernels' logic on CPU tensors under Triton's interpreter, against the pure-torch reference
+(``TRITON_INTERPRET=1 pytest -m interpreted``).
+
+Under the interpreter the launch uses ``INTERPRETED_PROGRAMS`` programs, so that every program runs through
+several rows and, with the uniform index, the sorted index's runs end inside programs: every partial-sum
+slot and the fixed-order reduction are exercised. The kernel and the reference agree bit for bit but where
+the order of an fp32 row sum enters (a rare last-place flip of an activation gradient).
+"""
+
+import itertools
+
+import pytest
+import torch
+from h3_fused.kernels.backward import _forward_args, _rows
+from h3_fused.kernels.launch_backward import BackwardConfig, Needs, launch_backward
+from h3_fused.kernels.reference import reference_backward
+
+pytestmark = pytest.mark.interpreted
+bf16 = torch.bfloat16
+SITES = {"A": ("u", "weight", "shift", "scale", "dy"), "B": ("u", "branch", "gate", "weight", "shift", "scale", "dy", "du"),
+         "C": ("branch", "gate", "du")}
+
+
+def saved(site, tokens, hidden, table_rows, seed=0, runs=False, weighted=True):
+    """What a site's backward receives: the forward's saved values and the incoming gradients."""
+    g = torch.Generator().manual_seed(seed)
+    tables = (0.3 * torch.randn(table_rows, 6 * hidden, generator=g)).to(bf16).chunk(6, -1)
+    index = torch.randint(0, table_rows, (tokens,), generator=g)
+    every = dict(u=torch.randn(tokens, hidden, generator=g).to(bf16), branch=torch.randn(tokens, hidden, generator=g).to(bf16),
+                 gate=tables[2], weight=(1 + 0.1 * torch.randn(hidden, generator=g)).to(bf16), shift=tables[0],
+                 scale=tables[1], dy=torch.randn(tokens, hidden, generator=g).to(bf16),
+                 du=torch.randn(tokens, hidden, generator=g).to(bf16))
+    kept = {k: (v if k in SITES[site] else None) for k, v in every.items()}
+    if not weighted:
+        kept["weight"] = None
+    return dict(kept, index=index.sort().values if runs else index)
+
+
+def both(t, policy, native, needs, config=None):
+    a = _forward_args(**t, eps=1e-5, policy=policy, norm_rounds_before_weight=native, upcast_tables=False)
+    rows = (_rows(t["u"], a, "u"), _rows(t["dy"], a, "dy"), _rows(t["du"], a, "du"))
+    return launch_backward(a, *rows, needs, lambda kernel: kernel, config), reference_backward(a, *rows, needs)
+
+
+def assert_same(got, ref):
+    assert set(got) == set(ref)
+    for name in ref:
+        flips = (got[name] != ref[name]).float().mean().item()
+        assert flips <= (1e-2 if name in ("lead", "branch") else 0), (name, flips)
+        torch.testing.assert_close(got[name], ref[name], atol=0, rtol=2 ** -7)
+
+
+@pytest.mark.parametrize("site", ["A", "B", "C"])
+@pytest.mark.parametrize("tokens, hidden, table_rows", [(1, 64, 3), (13, 101, 4), (40, 200, 6), (37, 2, 2)])
+@pytest.mark.parametrize("policy, native", [("bf16", False), ("bf16", True), ("fp32", False)])
+def test_every_gradient_matches_the_reference(site, tokens, hidden, table_rows, policy, native):
+    t = saved(site, tokens, hidden, table_rows)
+    assert_same(*both(t, policy, native, Needs()))
+
+
+@pytest.mark.parametrize("site", ["A", "B"])
+@pytest.mark.parametrize("index_runs", [False, True])
+def test_rows_in_chunks_many_programs_and_runs_of_the_index(site, index_runs):
+    """Rows in 32-column chunks (H = 101: four, the last 5 wide), one row per program and eight, without the
+    prefetch and with it, the index in runs (as in the model) or drawn per row."""
+    t = saved(site, 45, 101, 5, seed=3, runs=index_runs)
+    for rows_per_program, prefetch in itertools.product((1, 8), (False, True)):
+        config = BackwardConfig(32, 1, rows_per_program, -(-45 // rows_per_program), prefetch)
+        assert_same(*both(t, "bf16", False, Needs(), config))
+
+
+@pytest.mark.parametrize("site", ["A", "B", "C"])
+@pytest.mark.parametrize("asked", [("lead",), ("lead", "branch"), ("shift", "scale"), ("gate",), ("weight",)])
+def test_only_what_is_asked_is_computed(site, asked):
+    t = saved(site, 20, 64, 3, seed=5)
+    needs = Needs(**{name: name in asked for name in ("lead", "branch", "gate", "weight", "shift", "scale")})
+    got, ref = both(t, "bf16", False, needs)
+    assert_same(got, ref)
+    assert set(got) <= set(asked)
+
+
+@pytest.mark.parametrize("site", ["A", "B"])
+def test_one_column(site):
+    """H = 1: the norm's input gradient is a difference of nearly equal terms (``xhat`` is +-1), so the two sum
+    orders differ in more than the last place; both stay next to zero."""
+    got, ref = both(saved(site, 37, 1, 2), "bf16", False, Needs())
+    for name in ref:
+        torch.testing.assert_close(got[name].float(), ref[name].float(), rtol=2 ** -7,
+                                   atol=1e-3 * ref[name].float().abs().max().item())
+
+
+def test_without_a_weight():
+    t = saved("B", 20, 64, 3, seed=6, weighted=False)
+    assert_same(*both(t, "bf16", False, Needs()))
+
+
+def test_the_same_bits_on_every_run():
+    t = saved("B", 40, 200, 6, seed=7)
+    first, second = both(t, "bf16", False, Needs())[0], both(t, "bf16", False, Needs())[0]
+    assert all(torch.equal(first[k], second[k]) for k in first)
