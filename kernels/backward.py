@@ -142,11 +142,15 @@ def _register(public: PublicOp, input_names: tuple[str, ...], outputs: tuple[str
     def backward(ctx, *grads):
         incoming = dict(zip(outputs, grads))
         wanted = {AS_GRADIENT[name]: need for name, need in zip(input_names, ctx.needs_input_grad) if name != "index"}
-        needs = [wanted.get(name, False) for name in GRADIENTS]
-        if not any(needs):
-            return (None,) * len(input_names)
-        result = dict(zip(GRADIENTS, modulation_backward(*ctx.saved_tensors, incoming.get("y"), incoming.get("u"),
-                                                         needs=needs, **ctx.flags)))
+        # site C: the residual's gradient is the incoming one itself, in every policy (nothing to compute or copy)
+        passes_through = "y" not in outputs and wanted["lead"]
+        needs = [wanted.get(name, False) and not (name == "lead" and passes_through) for name in GRADIENTS]
+        result = {}
+        if any(needs):
+            result = dict(zip(GRADIENTS, modulation_backward(*ctx.saved_tensors, incoming.get("y"), incoming.get("u"),
+                                                             needs=needs, **ctx.flags)))
+        if passes_through:
+            result["lead"] = incoming["u"]
         return tuple(result[AS_GRADIENT[name]] if name != "index" and wanted[AS_GRADIENT[name]] else None
                      for name in input_names)
 

@@ -1,0 +1,53 @@
+"""Every backward-kernel build at the edge sizes, against the pure-torch reference on the GPU.
+
+``.ci/gpu`` also runs this file under ``compute-sanitizer`` (memcheck and racecheck): each site and policy at
+H in {1, 31, 64, 101, 200, 5376} and T in {1, 3, 257}, all gradients and the activations' alone, with the
+shipped launch configuration, one row per program, and without the prefetch of the next row.
+"""
+
+import dataclasses
+import itertools
+
+import pytest
+import torch
+from h3_fused.kernels.backward import _forward_args, _rows
+from h3_fused.kernels.launch_backward import Needs, backward_config, launch_backward
+from h3_fused.kernels.reference import reference_backward
+from sites import make_inputs
+
+pytestmark = pytest.mark.gpu
+ONLY_ACTIVATIONS = Needs(gate=False, weight=False, shift=False, scale=False)
+
+
+def saved(site, tokens, hidden, policy):
+    t = make_inputs(site, tokens, hidden, table_rows=3, seed=tokens)
+    t["index"][-1] = 2  # the last row reads the last table row
+    g = torch.Generator(device="cuda").manual_seed(hidden)
+    incoming = {name: torch.randn(tokens, hidden, generator=g, device="cuda").to(torch.bfloat16)
+                for name in ("dy", "du")}
+    lead = t.pop("x", None) if site == "A" else t.pop("residual")
+    values = dict(u=lead if site != "C" else None, branch=t.get("branch"), gate=t.get("gate"), weight=t.get("weight"),
+                  shift=t.get("shift"), scale=t.get("scale"), index=t["index"],
+                  dy=incoming["dy"] if site != "C" else None, du=incoming["du"] if site != "A" else None)
+    a = _forward_args(**values, eps=1e-5, policy=policy, norm_rounds_before_weight=False, upcast_tables=False)
+    return a, (_rows(values["u"], a, "u"), _rows(values["dy"], a, "dy"), _rows(values["du"], a, "du"))
+
+
+@pytest.mark.parametrize("variant", ["shipped", "one_row_per_program", "no_prefetch"])
+@pytest.mark.parametrize("hidden", [1, 31, 64, 101, 200, 5376])
+def test_every_backward_build_at_the_edge_sizes_matches_the_reference(variant, hidden):
+    for tokens, site, policy, needs in itertools.product((1, 3, 257), "ABC", ("bf16", "fp32"),
+                                                         (Needs(), ONLY_ACTIVATIONS)):
+        a, rows = saved(site, tokens, hidden, policy)
+        config = backward_config(hidden, tokens, a.device)
+        if variant == "one_row_per_program":
+            config = dataclasses.replace(config, rows_per_program=1, programs=tokens)
+        elif variant == "no_prefetch":
+            config = dataclasses.replace(config, prefetch=False)
+        got = launch_backward(a, *rows, needs, lambda kernel: kernel, config)
+        expected = reference_backward(a, *rows, needs)
+        assert got.keys() == expected.keys()
+        for name in expected:
+            tolerance = 1e-3 * expected[name].float().abs().max().item() if hidden == 1 else 0
+            torch.testing.assert_close(got[name], expected[name], rtol=2 ** -7, atol=tolerance,
+                                       msg=f"{site} {policy} T={tokens} {name}")
