@@ -152,8 +152,6 @@ def backward_config_rows(site: str, tokens: int, hidden: int, rounds: int) -> li
 def block_rows(tokens: int) -> list[dict]:
     """A real-size block's training step (forward + backward of every parameter and the input), regional
     compile, per variant: ms and peak memory."""
-    import h3_fused
-
     cfg = dataclasses.replace(H3Config.real(), num_blocks=1, num_refiner_blocks=0)
     rows = []
     for name in ("eager", "inductor", "inductor_epc", "h3_fused_bf16", "h3_fused_fp32"):
@@ -175,7 +173,7 @@ def block_rows(tokens: int) -> list[dict]:
             forward = block
         incoming = torch.randn_like(x)
 
-        def step():
+        def step(forward=forward, x=x, tables=tables, layout=layout, incoming=incoming):
             out = forward(x, tables, layout.index, layout.positions, layout.cu_seqlens)
             torch.autograd.backward(out, incoming)
 
@@ -193,7 +191,7 @@ def block_rows(tokens: int) -> list[dict]:
         peak = torch.cuda.max_memory_allocated() / 2**30
         rows.append(dict(kind="block", variant=name, T=tokens, H=cfg.hidden_size, ms=ms, peak_gib=peak))
         print(f"block T={tokens} {name:16s} {ms:8.2f} ms per step, peak {peak:6.2f} GiB", flush=True)
-        del model, forward, x, tables
+        del model, forward, x, tables, step
         gc.collect()
         torch.cuda.empty_cache()
     return rows
