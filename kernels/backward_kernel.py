@@ -17,13 +17,14 @@ row), ``dgate[i] += du_t * branch``, ``dw += dn * xhat`` (``* R(xhat)`` where ``
 ``contract.Rounding`` states the same contract; the ``NEED_*`` flags leave out what autograd does not ask for.
 
 Each program runs through ``rows_per_program`` consecutive rows, one row at a time, the row in registers in
-chunks of ``CHUNK`` columns, and adds each row's contribution to the table and weight gradients into
-fp32 registers. Where table gradients are needed (``SORTED``), the rows are visited in the order of a stable
-sort of the index (``order``), so a program's rows share one table row but where a run of the sorted index
-ends inside it; there it writes its sums so far to slot ``program + i`` of the partial buffer and starts
-again (slots are distinct: programs and table rows both increase along the sorted order). Without
-``SORTED`` a program writes one slot, ``program``. ``reduce_partials_kernel`` then sums each table row's
-slots, and the weight's, in program order and rounds once: no atomics, the same bits on every run.
+chunks of ``CHUNK`` columns (``PREFETCH``: the next row's streamed inputs loaded during the row's work), and
+adds each row's contribution to the table and weight gradients into fp32 registers. Where table gradients
+are needed (``SORTED``), the rows are visited in the order of a stable sort of the index (``order``; table
+row ``k``'s rows are sorted positions ``seg[k]`` to ``seg[k + 1] - 1``), so that a program's rows of each
+table row are contiguous: it sums them and writes the sums to slot ``program + k`` of a partial buffer
+(distinct slots: programs and table rows both increase along the sorted order). Without ``SORTED`` a program
+writes one slot, ``program``. ``reduce_partials_kernel`` then sums each table row's slots, and the weight's,
+in program order and rounds once: no atomics, the same bits on every run.
 """
 
 from __future__ import annotations
@@ -60,15 +61,11 @@ def _add_at(acc, c: tl.constexpr, value):
 
 @triton.jit
 def _flush(acc, part_ptr, slot, write, lanes, CHUNK: tl.constexpr, HIDDEN: tl.constexpr):
-    """Store the row accumulator ``acc`` to slot ``slot`` of a partial buffer where ``write``; return it zeroed
-    there."""
-    out = ()
+    """Store the row accumulator ``acc`` to slot ``slot`` of a partial buffer where ``write``."""
     written = _everywhere(write, lanes)
     for c in tl.static_range(len(acc)):
         cols = c * CHUNK + lanes
         tl.store(part_ptr + slot * HIDDEN + cols, acc[c], mask=(cols < HIDDEN) & written)
-        out = out + (tl.where(written, 0.0, acc[c]),)
-    return out
 
 
 @triton.jit
@@ -114,7 +111,7 @@ def _chunks(ptr, t, stride, valid, lanes, WANTED: tl.constexpr, CHUNK: tl.conste
 
 @triton.jit(debug=True)
 def modulation_backward_kernel(
-    u_ptr, branch_ptr, gate_ptr, w_ptr, scale_ptr, idx_ptr, order_ptr, dy_ptr, du_ptr, dx_ptr, dbranch_ptr,
+    u_ptr, branch_ptr, gate_ptr, w_ptr, scale_ptr, idx_ptr, order_ptr, seg_ptr, dy_ptr, du_ptr, dx_ptr, dbranch_ptr,
     part_shift_ptr, part_scale_ptr, part_gate_ptr, part_w_ptr,
     n_rows, num_table_rows, rows_per_program, eps,
     stride_u, stride_branch, stride_gate, stride_scale, stride_dy, stride_du,
@@ -134,97 +131,98 @@ def modulation_backward_kernel(
     acc_shift, acc_scale = _zeros(CHUNKS, CHUNK), _zeros(CHUNKS, CHUNK)
     acc_gate, acc_w = _zeros(CHUNKS, CHUNK), _zeros(CHUNKS, CHUNK)
     t_next, k_next = _row(begin, begin < end, order_ptr, idx_ptr, num_table_rows, SORTED)
-    current = k_next  # the table row the accumulators belong to
     if PREFETCH:  # the row's streamed inputs arrive during the previous row's work
         dy_next = _chunks(dy_ptr, t_next, stride_dy, begin < end, lanes, HAS_NORM, CHUNK, HIDDEN)
         u_next = _chunks(u_ptr, t_next, stride_u, begin < end, lanes, HAS_NORM, CHUNK, HIDDEN)
-    for s in range(begin, end):
-        t, k = t_next, k_next
-        if PREFETCH:
-            dys, us = dy_next, u_next
-            t_next, k_next = _row(s + 1, s + 1 < end, order_ptr, idx_ptr, num_table_rows, SORTED)
-            dy_next = _chunks(dy_ptr, t_next, stride_dy, s + 1 < end, lanes, HAS_NORM, CHUNK, HIDDEN)
-            u_next = _chunks(u_ptr, t_next, stride_u, s + 1 < end, lanes, HAS_NORM, CHUNK, HIDDEN)
-        else:
-            dys = _chunks(dy_ptr, t, stride_dy, s < end, lanes, HAS_NORM, CHUNK, HIDDEN)
-            us = _chunks(u_ptr, t, stride_u, s < end, lanes, HAS_NORM, CHUNK, HIDDEN)
-            t_next, k_next = _row(s + 1, s + 1 < end, order_ptr, idx_ptr, num_table_rows, SORTED)
-        if GROUPED:  # a run of the sorted index ends: its sums go to their own slot
-            changed = k != current
-            slot = program + current
-            if NEED_SHIFT:
-                acc_shift = _flush(acc_shift, part_shift_ptr, slot, changed, lanes, CHUNK, HIDDEN)
-            if NEED_SCALE:
-                acc_scale = _flush(acc_scale, part_scale_ptr, slot, changed, lanes, CHUNK, HIDDEN)
-            if NEED_GATE:
-                acc_gate = _flush(acc_gate, part_gate_ptr, slot, changed, lanes, CHUNK, HIDDEN)
-            current = k
-        if HAS_NORM:  # pass 1: the row's sum of squares and sum(dxhat * u)
-            squares = tl.zeros([CHUNK], tl.float32)
-            products = tl.zeros([CHUNK], tl.float32)
-            for c in tl.static_range(CHUNKS):
+    if GROUPED:  # the table rows of the program's first and last rows, in sorted order
+        first_k = k_next
+        last_k = _row(end - 1, begin < end, order_ptr, idx_ptr, num_table_rows, SORTED)[1]
+    else:
+        first_k = 0
+        last_k = 0
+    for table_row in range(first_k, last_k + 1):  # the program's rows of each table row, then their slot
+        lo, hi = begin, end
+        if GROUPED:
+            lo = tl.maximum(begin, tl.load(seg_ptr + table_row))
+            hi = tl.minimum(end, tl.load(seg_ptr + table_row + 1))
+        for s in range(lo, hi):
+            t, k = t_next, k_next
+            if PREFETCH:
+                dys, us = dy_next, u_next
+                t_next, k_next = _row(s + 1, s + 1 < end, order_ptr, idx_ptr, num_table_rows, SORTED)
+                dy_next = _chunks(dy_ptr, t_next, stride_dy, s + 1 < end, lanes, HAS_NORM, CHUNK, HIDDEN)
+                u_next = _chunks(u_ptr, t_next, stride_u, s + 1 < end, lanes, HAS_NORM, CHUNK, HIDDEN)
+            else:
+                dys = _chunks(dy_ptr, t, stride_dy, s < end, lanes, HAS_NORM, CHUNK, HIDDEN)
+                us = _chunks(u_ptr, t, stride_u, s < end, lanes, HAS_NORM, CHUNK, HIDDEN)
+                t_next, k_next = _row(s + 1, s + 1 < end, order_ptr, idx_ptr, num_table_rows, SORTED)
+            if HAS_NORM:  # pass 1: the row's sum of squares and sum(dxhat * u)
+                squares = tl.zeros([CHUNK], tl.float32)
+                products = tl.zeros([CHUNK], tl.float32)
+                for c in tl.static_range(CHUNKS):
+                    cols = c * CHUNK + lanes
+                    ok = cols < HIDDEN
+                    scale = tl.load(scale_ptr + k * stride_scale + cols, mask=ok, other=0.0)
+                    w = tl.load(w_ptr + cols, mask=ok, other=0.0) if HAS_WEIGHT else 0.0
+                    u32 = widened(us[c])
+                    squares += u32 * u32
+                    _, dxhat = _normed_input_gradient(dys[c], scale, w, act, HAS_WEIGHT, ROUND_NORM,
+                                                      ROUND_NORM_BEFORE_WEIGHT, ROUND_AFFINE, INTERPRETED)
+                    products += dxhat * u32
+                r = rsqrt(tl.sum(squares, axis=0) * tl.cast(1.0 / HIDDEN, tl.float32) + tl.cast(eps, tl.float32),
+                          INTERPRETED)
+                mean_product = tl.sum(products, axis=0) * r * tl.cast(1.0 / HIDDEN, tl.float32)  # mean(dxhat * xhat)
+            for c in tl.static_range(CHUNKS):  # pass 2: the row's gradients
                 cols = c * CHUNK + lanes
                 ok = cols < HIDDEN
-                scale = tl.load(scale_ptr + k * stride_scale + cols, mask=ok, other=0.0)
-                w = tl.load(w_ptr + cols, mask=ok, other=0.0) if HAS_WEIGHT else 0.0
-                u32 = widened(us[c])
-                squares += u32 * u32
-                _, dxhat = _normed_input_gradient(dys[c], scale, w, act, HAS_WEIGHT, ROUND_NORM,
-                                                  ROUND_NORM_BEFORE_WEIGHT, ROUND_AFFINE, INTERPRETED)
-                products += dxhat * u32
-            r = rsqrt(tl.sum(squares, axis=0) * tl.cast(1.0 / HIDDEN, tl.float32) + tl.cast(eps, tl.float32),
-                      INTERPRETED)
-            mean_product = tl.sum(products, axis=0) * r * tl.cast(1.0 / HIDDEN, tl.float32)  # mean(dxhat * xhat)
-        for c in tl.static_range(CHUNKS):  # pass 2: the row's gradients
-            cols = c * CHUNK + lanes
-            ok = cols < HIDDEN
-            if HAS_GATE:
-                du_t = tl.load(du_ptr + t * stride_du + cols, mask=ok, other=0.0, cache_modifier=".cg").to(tl.float32)
-            if HAS_NORM:
-                dy = dys[c]
-                xhat = widened(us[c]) * r
-                scale = tl.load(scale_ptr + k * stride_scale + cols, mask=ok, other=0.0)
-                w = tl.load(w_ptr + cols, mask=ok, other=0.0) if HAS_WEIGHT else 0.0
-                dn, dxhat = _normed_input_gradient(dy, scale, w, act, HAS_WEIGHT, ROUND_NORM, ROUND_NORM_BEFORE_WEIGHT,
-                                                   ROUND_AFFINE, INTERPRETED)
-                du_n = r * (dxhat - xhat * mean_product)
-                if ROUND_NORM:
-                    du_n = rounded(du_n, act, INTERPRETED)
                 if HAS_GATE:
-                    du_t = du_t + du_n
+                    du_t = tl.load(du_ptr + t * stride_du + cols, mask=ok, other=0.0, cache_modifier=".cg").to(tl.float32)
+                if HAS_NORM:
+                    dy = dys[c]
+                    xhat = widened(us[c]) * r
+                    scale = tl.load(scale_ptr + k * stride_scale + cols, mask=ok, other=0.0)
+                    w = tl.load(w_ptr + cols, mask=ok, other=0.0) if HAS_WEIGHT else 0.0
+                    dn, dxhat = _normed_input_gradient(dy, scale, w, act, HAS_WEIGHT, ROUND_NORM, ROUND_NORM_BEFORE_WEIGHT,
+                                                       ROUND_AFFINE, INTERPRETED)
+                    du_n = r * (dxhat - xhat * mean_product)
                     if ROUND_NORM:
-                        du_t = rounded(du_t, act, INTERPRETED)
-                else:
-                    du_t = du_n
-                normed = xhat
-                if ROUND_NORM_BEFORE_WEIGHT:
-                    normed = rounded(normed, act, INTERPRETED)
-                if NEED_W:
-                    acc_w = _add_at(acc_w, c, dn * normed)
-                if NEED_SHIFT:
-                    acc_shift = _add_at(acc_shift, c, widened(dy))
-                if NEED_SCALE:
-                    n = normed * widened(w) if HAS_WEIGHT else normed
-                    if ROUND_NORM:
-                        n = rounded(n, act, INTERPRETED)
-                    acc_scale = _add_at(acc_scale, c, widened(dy) * n)
-            if NEED_X:
-                tl.store(dx_ptr + t * HIDDEN + cols, rounded(du_t, act, INTERPRETED).to(act), mask=ok)
-            if NEED_BRANCH:
-                gate = tl.load(gate_ptr + k * stride_gate + cols, mask=ok, other=0.0)
-                tl.store(dbranch_ptr + t * HIDDEN + cols, rounded(du_t * widened(gate), act, INTERPRETED).to(act),
-                         mask=ok)
+                        du_n = rounded(du_n, act, INTERPRETED)
+                    if HAS_GATE:
+                        du_t = du_t + du_n
+                        if ROUND_NORM:
+                            du_t = rounded(du_t, act, INTERPRETED)
+                    else:
+                        du_t = du_n
+                    normed = xhat
+                    if ROUND_NORM_BEFORE_WEIGHT:
+                        normed = rounded(normed, act, INTERPRETED)
+                    if NEED_W:
+                        acc_w = _add_at(acc_w, c, dn * normed)
+                    if NEED_SHIFT:
+                        acc_shift = _add_at(acc_shift, c, widened(dy))
+                    if NEED_SCALE:
+                        n = normed * widened(w) if HAS_WEIGHT else normed
+                        if ROUND_NORM:
+                            n = rounded(n, act, INTERPRETED)
+                        acc_scale = _add_at(acc_scale, c, widened(dy) * n)
+                if NEED_X:
+                    tl.store(dx_ptr + t * HIDDEN + cols, rounded(du_t, act, INTERPRETED).to(act), mask=ok)
+                if NEED_BRANCH:
+                    gate = tl.load(gate_ptr + k * stride_gate + cols, mask=ok, other=0.0)
+                    tl.store(dbranch_ptr + t * HIDDEN + cols, rounded(du_t * widened(gate), act, INTERPRETED).to(act),
+                             mask=ok)
+                if NEED_GATE:
+                    branch = tl.load(branch_ptr + t * stride_branch + cols, mask=ok, other=0.0, cache_modifier=".cg")
+                    acc_gate = _add_at(acc_gate, c, du_t * widened(branch))
+        if GROUPED:
+            slot = program + table_row
+            if NEED_SHIFT:
+                _flush(acc_shift, part_shift_ptr, slot, hi > lo, lanes, CHUNK, HIDDEN)
+            if NEED_SCALE:
+                _flush(acc_scale, part_scale_ptr, slot, hi > lo, lanes, CHUNK, HIDDEN)
             if NEED_GATE:
-                branch = tl.load(branch_ptr + t * stride_branch + cols, mask=ok, other=0.0, cache_modifier=".cg")
-                acc_gate = _add_at(acc_gate, c, du_t * widened(branch))
-    if GROUPED:  # the last run's sums
-        slot = program + current
-        if NEED_SHIFT:
-            _flush(acc_shift, part_shift_ptr, slot, end > begin, lanes, CHUNK, HIDDEN)
-        if NEED_SCALE:
-            _flush(acc_scale, part_scale_ptr, slot, end > begin, lanes, CHUNK, HIDDEN)
-        if NEED_GATE:
-            _flush(acc_gate, part_gate_ptr, slot, end > begin, lanes, CHUNK, HIDDEN)
+                _flush(acc_gate, part_gate_ptr, slot, hi > lo, lanes, CHUNK, HIDDEN)
+            acc_shift, acc_scale, acc_gate = _zeros(CHUNKS, CHUNK), _zeros(CHUNKS, CHUNK), _zeros(CHUNKS, CHUNK)
     if NEED_W:
         _flush(acc_w, part_w_ptr, program, end > begin, lanes, CHUNK, HIDDEN)
 

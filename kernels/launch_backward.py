@@ -109,7 +109,7 @@ def launch_backward(a: ModulationArgs, u: torch.Tensor | None, dy: torch.Tensor 
     scale = a.scale if has_norm else table_alias
     wrap(modulation_backward_kernel)[(config.programs,)](
         rows_alias, a.branch if has_gate else rows_alias, table_alias, a.weight if a.weight is not None else scale,
-        scale, a.index, order, dy if dy is not None else rows_alias, du if du is not None else rows_alias,
+        scale, a.index, order, seg, dy if dy is not None else rows_alias, du if du is not None else rows_alias,
         grads.get("lead", out_alias), grads.get("branch", out_alias),
         part["shift"], part["scale"], part["gate"], part["weight"],
         a.rows, a.num_table_rows, config.rows_per_program, a.eps,

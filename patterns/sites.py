@@ -18,6 +18,7 @@ autograd (training, ``h3_fused.training``); both spell the math with the ops ``g
 from __future__ import annotations
 
 import enum
+import operator
 from dataclasses import dataclass, field
 
 import torch
@@ -138,8 +139,23 @@ def _weight_source(w: object, hidden: int) -> Node:
     return src
 
 
+def _match_fused_norm(n: Node, act: torch.dtype, hidden: int) -> Norm:
+    """``n = _fused_rms_norm(x, [H], w, eps)[0]``: ``nn.RMSNorm`` / ``F.rms_norm`` as the graph traced before
+    autograd holds it on CUDA (one rounding, ``R(x32 * r * w32)``); ``eps=None`` is fp32's machine epsilon."""
+    fused = n.args[0]
+    x, shape, weight, eps = (list(fused.args) + [None, None])[:4]
+    expect(isinstance(shape, (list, tuple)) and len(shape) == 1 and same_size(shape[0], hidden),
+           f"{fused}: the norm is over {shape}, not the last dim H={hidden}")
+    expect(dtype_of(x) == act, f"{x}: norm input dtype {dtype_of(x)} is not the activation dtype {act}")
+    expect(eps is None or (isinstance(eps, (int, float)) and not isinstance(eps, bool)), f"{fused}: eps is not a constant")
+    eps = torch.finfo(torch.promote_types(act, f32)).eps if eps is None else float(eps)
+    return Norm(x, _weight_source(weight, hidden) if weight is not None else None, eps, False, [n, fused])
+
+
 def match_norm(n: object, act: torch.dtype, hidden: int) -> Norm:
     """``n`` is the norm output in the activation dtype ``act``."""
+    if is_op(n, (operator.getitem,)) and is_op(n.args[0], (aten._fused_rms_norm.default,)) and n.args[1] == 0:
+        return _match_fused_norm(n, act, hidden)
     nodes: list[Node] = []
     weight, before = None, False
     top = n

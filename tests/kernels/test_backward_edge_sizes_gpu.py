@@ -50,4 +50,4 @@ def test_every_backward_build_at_the_edge_sizes_matches_the_reference(variant, h
         for name in expected:
             tolerance = 1e-3 * expected[name].float().abs().max().item() if hidden == 1 else 0
             torch.testing.assert_close(got[name], expected[name], rtol=2 ** -7, atol=tolerance,
-                                       msg=f"{site} {policy} T={tokens} {name}")
+                                       msg=lambda m, name=name: f"{site} {policy} T={tokens} {name}: {m}")

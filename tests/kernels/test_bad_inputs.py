@@ -65,10 +65,18 @@ def test_unknown_policy_is_refused():
 
 
 def equal_to_eager(site, t):
+    """What eager computes, under the ``bf16`` policy: bit for bit on the CPU; on CUDA the residual bit for bit and
+    ``y`` up to the norm's fp32 sum order (a rare last-place flip)."""
     got, ref = fused_site(site, "bf16")(**t), eager_site(site)(**t)
     got, ref = (got, ref) if isinstance(got, tuple) else ((got,), (ref,))
-    for g, r in zip(got, ref):
-        assert torch.equal(g.isnan(), r.isnan()) and torch.equal(torch.nan_to_num(g), torch.nan_to_num(r))
+    for i, (g, r) in enumerate(zip(got, ref)):
+        assert torch.equal(g.isnan(), r.isnan())
+        g, r = torch.nan_to_num(g), torch.nan_to_num(r)
+        is_y = site == "A" or (site == "B" and i == 1)
+        if g.device.type == "cuda" and is_y:
+            assert (g != r).float().mean() <= 1e-5 + 1 / max(1, g.numel())
+        else:
+            assert torch.equal(g, r)
 
 
 def with_nan_and_inf(device):

@@ -39,6 +39,9 @@ def test_every_build_at_the_edge_sizes_matches_the_reference(rows_for, warm_next
             launch = kernel_launch(site, inputs, policy, config=config)
             launch()
             expected = reference_modulation(check_args(**inputs, policy=policy, has_norm=site != "C"))
-            for got, ref in zip(launch.outputs, expected):
-                if got is not None:
-                    torch.testing.assert_close(got, ref, atol=0, rtol=2 ** -7)  # y: the norm's sum order
+            u, y = launch.outputs
+            if u is not None:
+                assert torch.equal(u, expected[0]), (site, policy, tokens)
+            if y is not None:  # the norm's fp32 sum has the kernel's order: a rare last-place flip
+                assert (y != expected[1]).float().mean() <= 1e-3 + 1 / y.numel(), (site, policy, tokens)
+                torch.testing.assert_close(y, expected[1], rtol=2 ** -7, atol=2 ** -7 * expected[1].abs().max().item())

@@ -166,7 +166,7 @@ def test_gate_table_of_another_dtype_than_shift_and_scale(gate_dtype, table_dtyp
     (the warming of coming table rows reads the gate row with a load of its own): the residual bit for bit
     the op's reference (pure torch, on the GPU), `y` up to the norm's sum order."""
     from h3_fused.kernels import gate_norm_modulate
-    from h3_fused.kernels.contract import check_args
+    from h3_fused.kernels.arguments import check_args
     from h3_fused.kernels.reference import reference_modulation
 
     inputs = make_inputs("B", tokens, seed=7)

@@ -1,6 +1,7 @@
 """The matchers on small graphs: each site alone fuses, near-misses stay untouched, refusals say why."""
 
 import logging
+import operator
 
 import pytest
 import torch
@@ -68,3 +69,36 @@ def test_gate_then_norm_fuses_as_one_site():
     assert counters["h3_fused"]["gate_norm_modulate"] == 1
 
 
+
+
+def test_the_fused_rms_norm_of_a_graph_traced_before_autograd_is_a_norm():
+    """On CUDA, ``nn.RMSNorm`` traced before autograd (training graphs) is one ``aten._fused_rms_norm`` node; built
+    here by hand, with fake CUDA tensors, site A around it is found with its weight and eps."""
+    from h3_fused.patterns import SiteKind, find_sites
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    aten = torch.ops.aten
+    graph = torch.fx.Graph()
+    with FakeTensorMode():
+        values = dict(x=torch.empty(16, H, dtype=bf16, device="cuda"), w=torch.empty(H, dtype=bf16, device="cuda"),
+                      table=torch.empty(6, 2 * H, dtype=bf16, device="cuda"),
+                      idx=torch.zeros(16, dtype=torch.long, device="cuda"))
+
+        def node(target, *args):
+            n = graph.call_function(target, args)
+            n.meta["val"] = target(*(a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in args))
+            return n
+
+        inputs = {}
+        for name, v in values.items():
+            inputs[name] = graph.placeholder(name)
+            inputs[name].meta["val"] = v
+        normed = node(operator.getitem, node(aten._fused_rms_norm.default, inputs["x"], [H], inputs["w"], 1e-5), 0)
+        shift = node(aten.slice.Tensor, inputs["table"], 1, 0, H)
+        scale = node(aten.slice.Tensor, inputs["table"], 1, H, 2 * H)
+        p = node(aten.add.Tensor, node(aten.index_select.default, scale, 0, inputs["idx"]), 1.0)
+        y = node(aten.add.Tensor, node(aten.mul.Tensor, normed, p), node(aten.index_select.default, shift, 0, inputs["idx"]))
+    graph.output(y)
+    (site,) = find_sites(graph, refuse=lambda node, why: pytest.fail(f"refused: {why}"))
+    assert site.kind is SiteKind.NORM_MODULATE and site.eps == pytest.approx(1e-5)
+    assert site.inputs["x"] is inputs["x"] and site.inputs["weight"] is inputs["w"]
