@@ -58,6 +58,8 @@ def run(args) -> list[dict]:
         nbytes = minimal_bytes(site, tokens, hidden)
         case = dict(site=site, T=tokens, H=hidden, index=args.index, roof_gbs=roof)
         for name, fn in variants(site):
+            if args.variants and name not in args.variants:
+                continue
             u, y = outputs(site, fn(**inputs))
             exact = dict(mismatch=mismatch(y, ref_y) if y is not None else mismatch(u, ref_u),
                          mismatch_u=mismatch(u, ref_u) if u is not None else None)
@@ -85,6 +87,7 @@ def main():
     parser.add_argument("--tokens", nargs="+", type=int, default=list(TOKENS))
     parser.add_argument("--hidden", nargs="+", type=int, default=[HIDDEN])
     parser.add_argument("--index", default="uniform", choices=INDEX_LAYOUTS, help="layout of the index (sites.make_inputs)")
+    parser.add_argument("--variants", nargs="+", help="time only these variants (default: all)")
     args = parser.parse_args()
     write_results(args.out, run(args))
 
