@@ -3,9 +3,8 @@
 One launch of ``modulation_backward_kernel`` computes the activation gradients and each program's fp32
 partial sums of the table and weight gradients; one launch of ``reduce_partials_kernel`` per table or
 weight gradient sums them in a fixed order (docs/DESIGN.md, "The backward"). Where table gradients are
-needed, the rows are visited in the order of a stable sort of the index (``torch.sort``), so that a
-program's rows share a table row; ``seg[k]`` (``torch.searchsorted``) is where table row ``k``'s rows
-begin in that order.
+needed, the rows are visited in the order of a stable sort of the index, so that a program's rows of a table
+row are contiguous; ``seg[k]`` (``torch.searchsorted``) is where table row ``k``'s rows begin in that order.
 """
 
 from __future__ import annotations
@@ -90,9 +89,11 @@ def launch_backward(a: ModulationArgs, u: torch.Tensor | None, dy: torch.Tensor 
         grads["branch"] = _empty_like_rows(a)
     grouped = any(want.values())
     if grouped:
-        sorted_index, order = torch.sort(a.index, stable=True)
-        seg = torch.searchsorted(sorted_index, torch.arange(a.num_table_rows + 1, device=a.device,
-                                                            dtype=sorted_index.dtype))
+        # keys made distinct (index * R + row), so that the order, and with it the order of every fp32 sum, is
+        # the same whichever sort runs (eager's stable one, or one a compiler chooses)
+        rows = torch.arange(a.rows, device=a.device)
+        sorted_keys, order = torch.sort(a.index.long() * a.rows + rows)
+        seg = torch.searchsorted(sorted_keys, torch.arange(a.num_table_rows + 1, device=a.device) * a.rows)
     else:
         order = seg = a.index  # not read
 

@@ -48,6 +48,7 @@ def test_every_backward_build_at_the_edge_sizes_matches_the_reference(variant, h
         expected = reference_backward(a, *rows, needs)
         assert got.keys() == expected.keys()
         for name in expected:
-            tolerance = 1e-3 * expected[name].float().abs().max().item() if hidden == 1 else 0
+            # an fp32 sum near zero may differ from the reference's in its last places (the order of the sum)
+            tolerance = (1e-3 if hidden == 1 else 1e-5) * expected[name].float().abs().max().item()
             torch.testing.assert_close(got[name], expected[name], rtol=2 ** -7, atol=tolerance,
                                        msg=lambda m, name=name: f"{site} {policy} T={tokens} {name}: {m}")

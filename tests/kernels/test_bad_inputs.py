@@ -73,7 +73,7 @@ def equal_to_eager(site, t):
         assert torch.equal(g.isnan(), r.isnan())
         g, r = torch.nan_to_num(g), torch.nan_to_num(r)
         is_y = site == "A" or (site == "B" and i == 1)
-        if g.device.type == "cuda" and is_y:
+        if g.device.type == "cuda" and is_y and g.numel():
             assert (g != r).float().mean() <= 1e-5 + 1 / max(1, g.numel())
         else:
             assert torch.equal(g, r)
