@@ -48,7 +48,13 @@ def test_every_backward_build_at_the_edge_sizes_matches_the_reference(variant, h
         expected = reference_backward(a, *rows, needs)
         assert got.keys() == expected.keys()
         for name in expected:
-            # an fp32 sum near zero may differ from the reference's in its last places (the order of the sum)
-            tolerance = (1e-3 if hidden == 1 else 1e-5) * expected[name].float().abs().max().item()
+            # the row sums' fp32 order is the kernel's: an activation gradient may differ from the reference's in
+            # its last place (rarely), an fp32 sum near zero in its last places
+            largest = expected[name].float().abs().max().item()
+            if got[name].dtype != torch.float32 and hidden > 1:  # a few places of a few elements
+                assert (got[name] != expected[name]).float().mean() <= 1e-3 + 1 / got[name].numel()
+                tolerance = 2 ** -6 * largest
+            else:
+                tolerance = (1e-3 if hidden == 1 else 1e-5) * largest
             torch.testing.assert_close(got[name], expected[name], rtol=2 ** -7, atol=tolerance,
                                        msg=lambda m, name=name: f"{site} {policy} T={tokens} {name}: {m}")

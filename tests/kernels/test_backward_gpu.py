@@ -78,9 +78,15 @@ def test_fp32_policy_gradients_are_at_least_as_close_to_fp64(site):
 
 @pytest.mark.parametrize("site", ["A", "B", "C"])
 def test_compiled_backward_gives_the_bare_ops_gradients(site):
-    """The ops inlined in a compiled graph (forward and backward kernels in Inductor's code) compute what they
-    compute bare, bit for bit."""
+    """The ops inlined in a compiled graph (forward and backward kernels in Inductor's code): the table and weight
+    gradients are the bare ops' bit for bit; an activation gradient may differ in its last place on a few
+    elements (measured: 42 of 85 million at site A, T = 15,808), as the norm's sum order may in the forward."""
     inputs = make_inputs(site, 15808, seed=4)
     bare = gradients(fused_site(site, "bf16"), inputs)
     compiled = gradients(torch.compile(fused_site(site, "bf16")), inputs)
-    assert all(torch.equal(bare[k], compiled[k]) for k in bare)
+    for name in bare:
+        if name in TABLES or name == "weight":
+            assert torch.equal(bare[name], compiled[name]), name
+        else:
+            assert (bare[name] != compiled[name]).float().mean() <= 1e-5, name
+            torch.testing.assert_close(compiled[name], bare[name], rtol=2 ** -7, atol=0)
