@@ -129,7 +129,7 @@ def backward_config_rows(site: str, tokens: int, hidden: int, rounds: int) -> li
                   dy=incoming if site != "C" else None, du=incoming if site != "A" else None)
     a = _forward_args(**values, eps=1e-5, policy="bf16", norm_rounds_before_weight=False, upcast_tables=False)
     rows_ = (_rows(values["u"], a, "u"), _rows(values["dy"], a, "dy"), _rows(values["du"], a, "du"))
-    shipped = backward_config(hidden, tokens, a.device)
+    shipped = backward_config(hidden, tokens, a.device, site != "C")
     sms = torch.cuda.get_device_properties(a.device).multi_processor_count
 
     def programs(per_sm):

@@ -1,8 +1,9 @@
-"""Markdown table of an op-benchmark JSON: time, share of the copy bandwidth and mismatch per variant.
+"""Markdown tables of a benchmark JSON: time, share of the copy bandwidth and mismatch per variant.
 
     python benchmarks/report.py benchmarks/results/ops.json            # docs/BENCHMARKS.md's op table
     python benchmarks/report.py benchmarks/results/ops.json --readme   # the README's
     python benchmarks/report.py benchmarks/results/ops.json --over-copy h3_fused_bf16
+    python benchmarks/report.py benchmarks/results/training.json       # the training tables
 
 Rows of several hidden sizes (``bench_ops.py --hidden``) get an ``H`` column.
 """
@@ -70,9 +71,45 @@ def over_copy_table(rows: list, variant: str) -> None:
         previous = (case[:2], copy, ours)
 
 
+TRAINING_VARIANTS = ("eager", "inductor", "inductor_epc", "h3_fused_bf16", "h3_fused_fp32", "h3_fused_bf16_compiled")
+
+
+def training_tables(rows: list) -> None:
+    """From ``bench_training.py``'s rows: forward + backward per site and T (device time, share of the copy
+    bandwidth over the minimal bytes), the gradients' relative errors against fp64 and determinism, and the
+    block's training step."""
+    steps = [r for r in rows if r["kind"] == "step"]
+    cases = sorted({(r["site"], r["T"]) for r in steps})
+    variants = [v for v in (*TRAINING_VARIANTS, "copy_same_bytes") if any(r["variant"] == v for r in steps)]
+    print("| site | T | " + " | ".join(variants) + " |\n|---|---|" + "---|" * len(variants))
+    for site, tokens in cases:
+        cells = {r["variant"]: f"{r['us_graph']:.0f} us, {100 * r['roof_share']:.0f}%" for r in steps
+                 if (r["site"], r["T"]) == (site, tokens)}
+        print(f"| {site} | {tokens:,} | " + " | ".join(cells.get(v, "") for v in variants) + " |")
+    accuracy = [r for r in rows if r["kind"] == "accuracy"]
+    print("\n| site | T | variant | gradient errors against fp64 | same bits twice |\n|---|---|---|---|---|")
+    for r in sorted(accuracy, key=lambda r: (r["site"], r["T"], TRAINING_VARIANTS.index(r["variant"]))):
+        errors = ", ".join(f"{k} {v:.1e}" for k, v in r["errors"].items())
+        print(f"| {r['site']} | {r['T']:,} | {r['variant']} | {errors} | {'yes' if r['deterministic'] else 'no'} |")
+    configs = [r for r in rows if r["kind"] == "backward_config"]
+    if configs:
+        print("\n| site | T | backward alone: configuration | us | same bits as shipped |\n|---|---|---|---|---|")
+        for r in configs:
+            print(f"| {r['site']} | {r['T']:,} | {r['variant']} | {r['us_graph']:.1f} | "
+                  f"{'yes' if r['identical_to_shipped'] else 'no'} |")
+    blocks = [r for r in rows if r["kind"] == "block"]
+    if blocks:
+        print("\n| block, T | variant | ms per training step | peak GiB |\n|---|---|---|---|")
+        for r in blocks:
+            print(f"| {r['T']:,} | {r['variant']} | {r['ms']:.1f} | {r['peak_gib']:.2f} |")
+
+
 def main(src: str, readme: bool, over_copy: str | None = None) -> None:
     with open(src) as f:
         rows = json.load(f)
+    if rows and "kind" in rows[0]:
+        training_tables(rows)
+        return
     if readme:
         readme_table(rows)
         return

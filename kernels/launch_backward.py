@@ -18,7 +18,9 @@ from .backward_kernel import modulation_backward_kernel, reduce_partials_kernel
 from .launch import ceil_div, interpreting
 
 BACKWARD_MAX_CHUNK = 2048  # columns of a row a program holds at a time: 4 per thread on 16 warps
-PROGRAMS_PER_SM = 1  # each program holds two rows and its fp32 sums in registers: one fills an SM's registers
+# Programs per SM: a program of site A or B holds two rows and three or four rows of fp32 sums in registers,
+# which fill an SM's registers (a second program per SM measured slower); site C's hold one row of sums
+PROGRAMS_PER_SM = {True: 1, False: 2}  # by whether the site has a norm
 MIN_ROWS_PER_PROGRAM = 8  # fewer rows per program would cost more in partial sums than it gains in programs
 INTERPRETED_PROGRAMS = 3  # under the interpreter: several programs, several rows each, runs ending inside one
 REDUCE_BLOCK = 1024
@@ -53,14 +55,14 @@ class BackwardConfig:
     prefetch: bool = True
 
 
-def backward_config(hidden: int, rows, device: torch.device) -> BackwardConfig:
+def backward_config(hidden: int, rows, device: torch.device, has_norm: bool = True) -> BackwardConfig:
     """Rows in chunks of at most ``BACKWARD_MAX_CHUNK`` columns, 4 per thread; ``PROGRAMS_PER_SM`` programs per SM,
     each with at least ``MIN_ROWS_PER_PROGRAM`` rows; each row's streamed inputs prefetched during the
     previous row's work (docs/DESIGN.md, "The backward"). ``rows`` may be symbolic."""
     chunk = min(1 << (int(hidden) - 1).bit_length(), BACKWARD_MAX_CHUNK)
     num_warps = max(1, min(16, chunk // 128))
     if device.type == "cuda":
-        target = PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
+        target = PROGRAMS_PER_SM[has_norm] * torch.cuda.get_device_properties(device).multi_processor_count
     else:
         target = INTERPRETED_PROGRAMS
     rows_per_program = torch.sym_max(MIN_ROWS_PER_PROGRAM, ceil_div(rows, target)) if device.type == "cuda" else \
@@ -81,7 +83,7 @@ def launch_backward(a: ModulationArgs, u: torch.Tensor | None, dy: torch.Tensor 
     has_gate, has_norm = a.gate is not None, a.scale is not None
     need_w = needs.weight and a.weight is not None
     want = dict(shift=needs.shift and has_norm, scale=needs.scale and has_norm, gate=needs.gate and has_gate)
-    config = config or backward_config(a.hidden, a.rows, a.device)
+    config = config or backward_config(a.hidden, a.rows, a.device, has_norm)
     grads = {}
     if needs.lead:
         grads["lead"] = _empty_like_rows(a)

@@ -39,7 +39,7 @@ def test_every_backward_build_at_the_edge_sizes_matches_the_reference(variant, h
     for tokens, site, policy, needs in itertools.product((1, 3, 257), "ABC", ("bf16", "fp32"),
                                                          (Needs(), ONLY_ACTIVATIONS)):
         a, rows = saved(site, tokens, hidden, policy)
-        config = backward_config(hidden, tokens, a.device)
+        config = backward_config(hidden, tokens, a.device, site != "C")
         if variant == "one_row_per_program":
             config = dataclasses.replace(config, rows_per_program=1, programs=tokens)
         elif variant == "no_prefetch":

@@ -128,27 +128,6 @@ def test_empty_inputs_give_empty_outputs():
     assert u.shape == (0, 64) and y.shape == (0, 64)
 
 
-@pytest.mark.parametrize("name", ["x", "weight", "shift", "scale"])
-def test_inputs_that_require_grad_are_refused_where_the_call_is_made(name):
-    t = make(tokens=4, hidden=64)
-    args = dict(x=t["x"], weight=t["weight"], shift=t["shift"], scale=t["scale"], index=t["index"])
-    args[name] = args[name].clone().requires_grad_()
-    with pytest.raises(NotImplementedError, match=f"{name} requires grad, but h3_fused::norm_modulate has no backward yet"):
-        norm_modulate(**args, eps=1e-5, policy="bf16")
-    with torch.no_grad():
-        assert torch.equal(norm_modulate(**args, eps=1e-5, policy="bf16"),
-                           norm_modulate(**{k: v.detach() for k, v in args.items()}, eps=1e-5, policy="bf16"))
-
-
-def test_gated_residual_inputs_that_require_grad_are_refused():
-    t = make(tokens=4, hidden=64)
-    with pytest.raises(NotImplementedError, match="gate requires grad"):
-        gate_residual(t["x"], t["gate"].clone().requires_grad_(), t["branch"], t["index"], policy="bf16")
-    with pytest.raises(NotImplementedError, match="residual requires grad"):
-        gate_norm_modulate(t["x"].clone().requires_grad_(), t["gate"], t["branch"], t["weight"], t["shift"],
-                           t["scale"], t["index"], eps=1e-5, policy="bf16")
-
-
 def test_opcheck_on_cpu():
     t = make(tokens=9, hidden=64)
     ops = torch.ops.h3_fused
