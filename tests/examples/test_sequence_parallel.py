@@ -2,6 +2,7 @@
 
 import os
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -50,6 +51,7 @@ def test_two_gloo_ranks_equal_single_process(tmp_path):
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
 
+@pytest.mark.slow
 def test_two_gloo_ranks_compiled_with_h3_fused_match_eager_per_policy(tmp_path):
     expected = single_process_reference()
     (tmp_path / "bf16").mkdir()

@@ -10,6 +10,7 @@ import torch
 from h3_fused import H3FusionPass
 from h3_fused.graph_pass import INFERENCE_AWARE
 from helpers import bf16, fused_count, inputs, site_a
+from torch._dynamo.utils import counters
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 pytestmark = pytest.mark.usefixtures("fresh_compile")
@@ -128,7 +129,7 @@ def test_pass_cost_on_the_tiny_block_is_under_a_second():
 
 
 CACHE_SCRIPT = r"""
-import sys, torch
+import sys, torch, h3_fused
 from torch._dynamo.utils import counters
 import torch.nn.functional as F
 H = 64
@@ -136,7 +137,11 @@ def f(x, w, shift, scale, idx):
     return F.rms_norm(x, (H,), w, 1e-5) * (1 + scale[idx]) + shift[idx]
 t = (0.3 * torch.randn(6, 2 * H)).to(torch.bfloat16).chunk(2, -1)
 args = (torch.randn(8, H).to(torch.bfloat16), torch.ones(H, dtype=torch.bfloat16), t[0], t[1], torch.randint(0, 6, (8,)))
-compiled = torch.compile(f, backend="h3_fused", options={"dtype_policy": sys.argv[1]})
+policy, route = sys.argv[1], sys.argv[2]
+if route == "backend":
+    compiled = torch.compile(f, backend="h3_fused", options={"dtype_policy": policy})
+else:  # an Inductor setup of one's own
+    compiled = torch.compile(f, options=h3_fused.make_config_patches({"dtype_policy": policy}))
 compiled(*args)
 with torch.profiler.profile() as p:
     compiled(*args)
@@ -146,15 +151,33 @@ print("hit", counters["inductor"]["fxgraph_cache_hit"], "miss", counters["induct
 """
 
 
-def test_fx_graph_and_aot_autograd_caches_hit_in_a_fresh_process_and_policy_change_misses(tmp_path):
+@pytest.mark.slow
+@pytest.mark.parametrize("route", ["backend", "config_patches"])
+def test_fx_graph_and_aot_autograd_caches_hit_in_a_fresh_process_and_policy_change_misses(tmp_path, route):
     env = {**__import__("os").environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path), "TORCHINDUCTOR_FX_GRAPH_CACHE": "1"}
 
     def run(policy):
-        out = subprocess.run([sys.executable, "-c", CACHE_SCRIPT, policy], env=env, capture_output=True, text=True,
-                             timeout=300)
+        out = subprocess.run([sys.executable, "-c", CACHE_SCRIPT, policy, route], env=env, capture_output=True,
+                             text=True, timeout=300)
         assert out.returncode == 0, out.stderr[-2000:]
         return out.stdout.strip().splitlines()[-1]
 
     assert run("bf16") == "hit 0 miss 1 aot_hit 0 ran 1"
     assert run("bf16") == "hit 1 miss 0 aot_hit 1 ran 1", "fresh process: both caches hit, the fused code runs"
     assert run("fp32") == "hit 0 miss 1 aot_hit 0 ran 1", "a policy change misses"
+
+
+def test_an_inductor_setup_of_ones_own_gets_the_fusion_from_make_config_patches():
+    """A serving engine's route: plain ``torch.compile`` with Inductor options from ``make_config_patches``, its
+    own post-grad pass chained after ours, the policy applied."""
+    seen = []
+
+    def engine_pass(graph):
+        seen.append(fused_ops_in(graph))
+
+    options = h3_fused.make_config_patches({"dtype_policy": "bf16", "post_grad_custom_post_pass": engine_pass})
+    assert options["emulate_precision_casts"] is True
+    t = inputs()
+    got = torch.compile(site_a, options=options)(**t)
+    assert counters["h3_fused"]["norm_modulate"] == 1 and seen == [1]
+    assert torch.equal(got, site_a(**t))

@@ -115,6 +115,7 @@ class CheckpointedBlocks(torch.nn.Module):
         return m.final_layer(x, t_emb, layout.timestep_index)
 
 
+@pytest.mark.slow
 def test_activation_checkpointing_keeps_working_and_saves_less():
     """With each block under checkpoint, the compiled forward saves fewer tensors for the backward, and output and
     gradients are those of the same model compiled without it, bit for bit."""
@@ -211,6 +212,7 @@ def test_a_graph_the_trace_cannot_keep_faithful_compiles_unfused():
     torch.testing.assert_close(x.grad, expected, rtol=0.02, atol=0.02)
 
 
+@pytest.mark.slow
 def test_a_lora_fine_tune_with_peft_fuses_and_follows_eager():
     """peft LoRA adapters on the stand-in's attention and MLP linears, everything else frozen: a few AdamW steps
     compiled with h3_fused give eager's losses within the ``bf16`` policy, every site fused."""

@@ -8,14 +8,17 @@ when every site fused; ``fp32``: within a few bf16 ulps). ``H3_FUZZ_EXAMPLES`` (
 """
 
 import os
+import sys
 from dataclasses import dataclass
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 from minimax_h3 import Spellings, modulate_gate, modulate_scale_shift
 from minimax_h3.modulation import make_rms_norm
 from torch._dynamo.utils import counters
+from tqdm import tqdm
 
 EXAMPLES = int(os.environ.get("H3_FUZZ_EXAMPLES", "300"))
 SEED = int(os.environ.get("H3_FUZZ_SEED", "20261202"))
@@ -121,10 +124,15 @@ def build(case: Case):
     return fn, (x, index), expected, norm_site_ok or case.site == "C" and miss == "none"
 
 
+PROGRESS = tqdm(total=EXAMPLES, desc="differential examples", file=sys.__stderr__, leave=False, disable=None)
+
+
+@pytest.mark.slow
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), database=None)
 @seed(SEED)
 @given(case=cases())
 def test_pass_never_changes_what_the_model_computes_beyond_its_policy(case):
+    PROGRESS.update()  # on the terminal's stderr, past pytest's capture: the test runs for minutes
     fn, args, expected_sites, all_fused = build(case)
     torch._dynamo.reset()
     counters.clear()
