@@ -12,10 +12,13 @@ from __future__ import annotations
 import torch
 import torch._inductor.config as inductor_config
 from h3_fused.kernels.policy import resolve_policy
+from torch._dynamo.utils import counters
 from torch._inductor import list_mode_options
 from torch._inductor.compile_fx import compile_fx
 
+from .cached import compile_key, recall, remember
 from .graph_pass import H3FusionPass
+from .logs import LOG_NAME
 from .options import FusionOptions
 from .training import computes_gradients, fuse_before_autograd
 
@@ -53,4 +56,12 @@ def h3_fused_backend(gm: torch.fx.GraphModule, example_inputs, *, options: dict 
     patches = make_config_patches(options, mode, graph_device(example_inputs), fuse_post_grad=not training)
     if training:
         gm = fuse_before_autograd(gm, example_inputs, FusionOptions.split(options)[0]) or gm
-    return compile_fx(gm, example_inputs, config_patches=patches)
+    key = compile_key(gm, example_inputs, patches)
+    before = counters[LOG_NAME].copy()
+    compiled = compile_fx(gm, example_inputs, config_patches=patches)
+    made = {name: n - before[name] for name, n in counters[LOG_NAME].items() if n != before[name]}
+    if made:
+        remember(key, made)
+    elif not training:  # the pass did not run: Inductor loaded the code from its cache
+        recall(key)
+    return compiled
