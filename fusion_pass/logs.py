@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 
 import torch._logging._internal as torch_logging
+from h3_fused.patterns.graph_view import source_of
 from torch._dynamo.utils import counters
 
 LOG_NAME = "h3_fused"
@@ -24,7 +25,10 @@ def count(key: str, n: int = 1) -> None:
     counters[LOG_NAME][key] += n
 
 
-def refuse(node, why) -> None:
-    """Count and log a candidate that is not a site."""
+def refuse(node, why, kind: str = "a modulation site") -> None:
+    """Count and log a candidate ``node`` that is not a site: what it looked like, the model's source line, the
+    reason, and the hint where there is one."""
     count("refused")
-    log.debug("h3_fused: refused candidate %s: %s", node, why)
+    hint = getattr(why, "hint", None)
+    log.debug("h3_fused: not fused: %s%s: %s%s", kind, source_of(node, " at "), why,
+              f" (hint: {hint})" if hint else "")

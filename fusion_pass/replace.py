@@ -22,7 +22,7 @@ def replace_sites(graph: Graph, sites: list[Site], options: FusionOptions, decom
         try:
             new_outputs = replace_site(graph, site, policy, decomposed)
         except NoMatch as why:
-            refuse(site.outputs[-1], why)
+            refuse(site.outputs[-1], why, f"site {site.kind.letter}")
             continue
         renamed.update(zip(site.outputs, new_outputs))
         fused += 1

@@ -7,6 +7,10 @@ Post-grad (functional, decomposed) graphs spell the modulation math with a few a
 
 from __future__ import annotations
 
+import os
+import re
+import sys
+
 import torch
 from torch.fx import Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
@@ -21,7 +25,12 @@ GATHER = (aten.index.Tensor, aten.index_select.default)
 
 
 class NoMatch(Exception):
-    """The candidate is not a site; ``str(self)`` says why (for the debug log)."""
+    """The candidate is not a site: ``str(self)`` says why, in the model's terms; ``hint``, where one helps, what
+    to do about it."""
+
+    def __init__(self, why: str, hint: str | None = None):
+        super().__init__(why)
+        self.hint = hint
 
 
 def is_op(node: object, targets) -> bool:
@@ -56,26 +65,59 @@ def device_of(node: object) -> torch.device | None:
     return v.device if isinstance(v, torch.Tensor) else None
 
 
-def expect(cond: bool, why: str) -> None:
+def expect(cond: bool, why: str, hint: str | None = None) -> None:
     if not cond:
-        raise NoMatch(why)
+        raise NoMatch(why, hint)
+
+
+_FRAME = re.compile(r'File "([^"]+)", line (\d+), in [^\n]+\n\s*([^\n]*)')
+
+
+def _library_dirs() -> tuple[str, ...]:
+    """torch's folder and this package's (wherever it is installed)."""
+    packages = [sys.modules.get(name) for name in ("h3_fused", "h3_fused.patterns", "h3_fused.kernels")]
+    return (os.path.dirname(torch.__file__), *(os.path.dirname(m.__file__) + os.sep for m in packages if m))
+
+
+def source_of(node: object, prefix: str = "") -> str:
+    """``prefix`` and the model's source line that made ``node`` (``file.py:123 `code```), from the stack
+    Dynamo recorded: its last frame outside torch and this package; ``""`` where none is known."""
+    trace = node.meta.get("stack_trace") if isinstance(node, Node) else None
+    library = _library_dirs()
+    frames = [(f, n, code) for f, n, code in _FRAME.findall(trace or "") if not f.startswith(library)]
+    if not frames:
+        return ""
+    path, line, code = frames[-1]
+    return f"{prefix}{os.path.basename(path)}:{line} `{code.strip()}`"
+
+
+def describe(value: object) -> str:
+    """``value`` in a log line: the op that makes it (``mul``, ``var_mean``, ...), a graph input, or a constant."""
+    if isinstance(value, Node):
+        if value.op == "placeholder":
+            return "a graph input"
+        if value.op == "call_function":
+            name = getattr(value.target, "__name__", str(value.target))
+            return f"`{name.split('.')[0]}`"
+        return f"a {value.op}"
+    return repr(value)
 
 
 def operands(node: Node, targets, what: str) -> tuple:
     """``(a, b)`` of a binary ``node`` of ``targets`` with no alpha/extra kwargs."""
-    expect(is_op(node, targets), f"{node} is not {what}")
-    expect(not node.kwargs and len(node.args) == 2, f"{node}: unexpected arguments for {what}")
+    expect(is_op(node, targets), f"expected `{what}`, found {describe(node)}")
+    expect(not node.kwargs and len(node.args) == 2, f"`{what}` has extra arguments ({describe(node)} with {node.kwargs})")
     return node.args
 
 
-def either_order(pair: tuple, first_test) -> tuple:
-    """``(a, b)`` reordered so that ``first_test(a)`` holds; raises NoMatch if neither does."""
+def either_order(pair: tuple, first_test, what: str) -> tuple:
+    """``(a, b)`` reordered so that ``first_test(a)`` holds; raises NoMatch, saying ``what`` was looked for."""
     a, b = pair
     if first_test(a):
         return a, b
     if first_test(b):
         return b, a
-    raise NoMatch(f"neither operand of {pair} fits")
+    raise NoMatch(f"neither operand ({describe(a)}, {describe(b)}) is {what}")
 
 
 def strip_converts(node: object) -> object:

@@ -17,23 +17,28 @@ from .sites import (
     norm_modulate_site,
 )
 
+NORM_CANDIDATE = "a norm followed by `* (1 + scale[idx]) + shift[idx]` (site A)"
+GATE_CANDIDATE = "a gated residual `res + gate[idx] * branch` (site C)"
 
-def find_sites(graph: Graph, refuse: Callable[[Node, NoMatch], None], note=lambda message: None) -> list[Site]:
+
+def find_sites(graph: Graph, refuse: Callable[[Node, NoMatch, str], None], note=lambda message: None) -> list[Site]:
     """The sites of ``graph`` in graph order of their matching: A (or B, merged), then the C not merged.
-    ``refuse(node, why)`` hears of every candidate that is not a site; ``note`` of merges not made."""
+    ``refuse(node, why, kind)`` hears of every candidate that is not a site (``kind``: what it looked like);
+    ``note`` of merges not made."""
     a_sites: dict[Node, Site] = {}
     c_sites: dict[Node, Site] = {}
     for node in graph.nodes:
         if node.op != "call_function":
             continue
-        matcher, found = ((norm_modulate_site, a_sites) if is_affine_candidate(node) else
-                          (gate_residual_site, c_sites) if is_gated_candidate(node) else (None, None))
+        matcher, found, kind = ((norm_modulate_site, a_sites, NORM_CANDIDATE) if is_affine_candidate(node) else
+                                (gate_residual_site, c_sites, GATE_CANDIDATE) if is_gated_candidate(node) else
+                                (None, None, None))
         if matcher is None:
             continue
         try:
             site = matcher(node)
         except NoMatch as why:
-            refuse(node, why)
+            refuse(node, why, kind)
             continue
         found[site.outputs[0]] = site
     sites, merged = [], set()

@@ -32,6 +32,7 @@ from .graph_view import (
     VIEW,
     NoMatch,
     aten,
+    describe,
     device_of,
     dtype_of,
     either_order,
@@ -42,6 +43,7 @@ from .graph_view import (
     same_shape,
     same_size,
     shape_of,
+    source_of,
     strip_converts,
     strip_views,
 )
@@ -69,23 +71,25 @@ def match_gather(node: object) -> Gather:
     while is_op(top, CONVERT) or is_op(top, VIEW):
         nodes.append(top)
         top = top.args[0]
-    expect(is_op(top, GATHER), f"{node} is not a gather of table rows")
+    expect(is_op(top, GATHER), f"{describe(top)} is not a per-token gather of table rows (`table[index]`)",
+           hint="modulation broadcast per sample (`scale[:, None]`, as in Flux or Wan) is not fused")
     nodes.append(top)
     if top.target == aten.index.Tensor:
         table, indices = top.args
-        expect(len(indices) == 1 and indices[0] is not None, f"{top}: not a gather along dim 0")
+        expect(len(indices) == 1 and indices[0] is not None, "the table is indexed along another dim than its rows")
         index = indices[0]
     else:
         table, dim, index = top.args
-        expect(dim == 0, f"{top}: index_select along dim {dim}, not 0")
+        expect(dim == 0, f"the table is gathered along dim {dim}, not its rows")
     table_src = strip_converts(table)
     index_src = strip_views(strip_converts(strip_views(index)))
-    expect(dtype_of(index_src) in (torch.int32, torch.int64), f"{top}: index is not int32/int64")
-    expect(shape_of(table_src) is not None and len(shape_of(table_src)) == 2, f"{top}: table is not [K, H]")
+    expect(dtype_of(index_src) in (torch.int32, torch.int64), f"the index is {dtype_of(index_src)}, not int32 or int64")
+    expect(shape_of(table_src) is not None and len(shape_of(table_src)) == 2,
+           f"the gathered table has shape {shape_of(table_src)}, not [K, H]")
     table_dtype = dtype_of(table_src)
-    expect(table_dtype in ACTIVATION_DTYPES, f"{top}: table dtype {table_dtype}")
+    expect(table_dtype in ACTIVATION_DTYPES, f"the table is {table_dtype}")
     upcast = table_dtype in LOW_PRECISION and dtype_of(node) == f32
-    expect(dtype_of(node) in (table_dtype, f32), f"{node}: gather converted to {dtype_of(node)}")
+    expect(dtype_of(node) in (table_dtype, f32), f"the gathered rows are converted to {dtype_of(node)}")
     return Gather(node, table_src, index_src, upcast, nodes)
 
 
@@ -110,32 +114,38 @@ class Norm:
 
 def _match_norm_core(node: object, act: torch.dtype):
     """``x32 * rsqrt(mean(x32^2, -1, keepdim) + eps)`` -> (x, eps, nodes)."""
-    x32, r = either_order(operands(node, MUL, "x * rsqrt(...)"), lambda v: not is_op(v, (aten.rsqrt.default,)))
-    expect(is_op(r, (aten.rsqrt.default,)), f"{node}: no rsqrt factor")
+    x32, r = either_order(operands(node, MUL, "x * rsqrt(mean(x^2) + eps)"),
+                          lambda v: not is_op(v, (aten.rsqrt.default,)), "the input of the norm")
+    expect(is_op(r, (aten.rsqrt.default,)), "the normalized value has no `rsqrt(mean(x^2) + eps)` factor: not an RMSNorm")
+    expect(not is_op(x32, (aten.sub.Tensor,)), "the norm subtracts the mean: a LayerNorm",
+           hint="LayerNorm is not fused, only RMSNorm")
     shifted = r.args[0]
-    mean, eps = either_order(operands(shifted, ADD, "var + eps"), lambda v: is_op(v, (aten.mean.dim,)))
-    expect(isinstance(eps, (int, float)) and not isinstance(eps, bool), f"{shifted}: eps is not a constant (a graph input, e.g. a float attribute under dynamic=True)")
+    mean, eps = either_order(operands(shifted, ADD, "mean(x^2) + eps"), lambda v: is_op(v, (aten.mean.dim,)),
+                             "the mean of the squares")
+    expect(isinstance(eps, (int, float)) and not isinstance(eps, bool), "the norm's eps is not a constant",
+           hint="a float attribute becomes a graph input under dynamic=True: pass eps as nn.RMSNorm does, "
+                "or compile with dynamic_token_dim instead")
     sq_in, dims = mean.args[0], mean.args[1]
     keepdim = mean.args[2] if len(mean.args) > 2 else mean.kwargs.get("keepdim", False)
     rank = len(shape_of(x32) or ())
-    expect(keepdim and len(dims) == 1 and dims[0] in (-1, rank - 1), f"{mean}: the norm does not reduce the last dim")
-    expect(not mean.kwargs.get("dtype"), f"{mean}: mean with a dtype")
+    expect(keepdim and len(dims) == 1 and dims[0] in (-1, rank - 1), f"the norm reduces dims {dims}, not the last")
+    expect(not mean.kwargs.get("dtype"), "the norm's mean converts its dtype")
     if is_op(sq_in, (aten.pow.Tensor_Scalar,)):
-        expect(sq_in.args[0] is x32 and is_scalar(sq_in.args[1], 2), f"{sq_in}: not x^2 of the normalized value")
+        expect(sq_in.args[0] is x32 and is_scalar(sq_in.args[1], 2), "the mean is not of the squares of the normalized value")
     else:
         a, b = operands(sq_in, MUL, "x * x")
-        expect(a is x32 and b is x32, f"{sq_in}: not x*x of the normalized value")
-    expect(dtype_of(x32) == f32, f"{x32}: the norm does not compute in fp32")
+        expect(a is x32 and b is x32, "the mean is not of the squares of the normalized value")
+    expect(dtype_of(x32) == f32, f"the norm computes in {dtype_of(x32)}, not fp32")
     x = x32.args[0] if is_op(x32, CONVERT) else x32
-    expect(dtype_of(x) == act, f"{x}: norm input dtype {dtype_of(x)} is not the activation dtype {act}")
+    expect(dtype_of(x) == act, f"the norm's input is {dtype_of(x)}, its output {act}")
     nodes = [node, r, shifted, mean, sq_in] + ([x32] if x32 is not x else [])
     return x, float(eps), nodes
 
 
 def _weight_source(w: object, hidden: int) -> Node:
     src = strip_converts(w)
-    expect(isinstance(src, Node) and same_shape(shape_of(src), (hidden,)), f"{w}: norm weight is not [H={hidden}]")
-    expect(dtype_of(src) in ACTIVATION_DTYPES, f"{w}: norm weight dtype {dtype_of(src)}")
+    expect(isinstance(src, Node) and same_shape(shape_of(src), (hidden,)), f"the norm's weight is not [H={hidden}]")
+    expect(dtype_of(src) in ACTIVATION_DTYPES, f"the norm's weight is {dtype_of(src)}")
     return src
 
 
@@ -145,9 +155,9 @@ def _match_fused_norm(n: Node, act: torch.dtype, hidden: int) -> Norm:
     fused = n.args[0]
     x, shape, weight, eps = (list(fused.args) + [None, None])[:4]
     expect(isinstance(shape, (list, tuple)) and len(shape) == 1 and same_size(shape[0], hidden),
-           f"{fused}: the norm is over {shape}, not the last dim H={hidden}")
-    expect(dtype_of(x) == act, f"{x}: norm input dtype {dtype_of(x)} is not the activation dtype {act}")
-    expect(eps is None or (isinstance(eps, (int, float)) and not isinstance(eps, bool)), f"{fused}: eps is not a constant")
+           f"the norm is over {shape}, not the last dim H={hidden}")
+    expect(dtype_of(x) == act, f"the norm's input is {dtype_of(x)}, its output {act}")
+    expect(eps is None or (isinstance(eps, (int, float)) and not isinstance(eps, bool)), "the norm's eps is not a constant")
     eps = torch.finfo(torch.promote_types(act, f32)).eps if eps is None else float(eps)
     return Norm(x, _weight_source(weight, hidden) if weight is not None else None, eps, False, [n, fused])
 
@@ -160,18 +170,19 @@ def match_norm(n: object, act: torch.dtype, hidden: int) -> Norm:
     weight, before = None, False
     top = n
     if act != f32 and is_op(top, MUL) and dtype_of(top) == act:  # native: R(R(x*r) * w)
-        cast, w = either_order(operands(top, MUL, "normed * weight"), lambda v: is_op(v, CONVERT))
+        cast, w = either_order(operands(top, MUL, "normed * weight"), lambda v: is_op(v, CONVERT),
+                               "the normalized value cast to the activation dtype")
         weight, before = _weight_source(w, hidden), True
         nodes += [top] + ([w] if w is not weight else [])
         top = cast
     if act != f32:
-        expect(is_op(top, CONVERT) and dtype_of(top) == act, f"{top}: norm output is not cast to {act}")
+        expect(is_op(top, CONVERT) and dtype_of(top) == act, f"the value modulated is {describe(top)}, not a norm cast to {act}")
         nodes.append(top)
         top = top.args[0]
     if weight is None:
         a, b = operands(top, MUL, "normed [* weight]")
         if not (is_op(a, (aten.rsqrt.default,)) or is_op(b, (aten.rsqrt.default,))):  # (x * r) * w
-            core, w = either_order((a, b), lambda v: is_op(v, MUL))
+            core, w = either_order((a, b), lambda v: is_op(v, MUL), "the normalized value")
             weight = _weight_source(w, hidden)
             nodes += [top] + ([w] if w is not weight else [])
             top = core
@@ -193,9 +204,9 @@ class Affine:
 
 def _site_output(out: object) -> tuple[torch.dtype, Node, list[Node]]:
     """``(activation dtype, the value before an optional final cast, [that cast])`` of a site output."""
-    expect(isinstance(out, Node), "not a node")
+    expect(isinstance(out, Node), "not a value of the graph")
     act = dtype_of(out)
-    expect(act in ACTIVATION_DTYPES, f"{out}: dtype {act} is not an activation dtype")
+    expect(act in ACTIVATION_DTYPES, f"the output is {act}, not bf16, fp16 or fp32")
     if is_op(out, CONVERT):
         return act, out.args[0], [out]
     return act, out, []
@@ -204,15 +215,16 @@ def _site_output(out: object) -> tuple[torch.dtype, Node, list[Node]]:
 def match_affine(y: object) -> Affine:
     act, top, nodes = _site_output(y)
     compute = dtype_of(top)
-    q, shift_rows = either_order(operands(top, ADD, "q + shift[idx]"), lambda v: is_op(v, MUL))
+    q, shift_rows = either_order(operands(top, ADD, "n * (1 + scale[idx]) + shift[idx]"), lambda v: is_op(v, MUL),
+                                 "a product")
     shift = match_gather(shift_rows)
     p, n = either_order(operands(q, MUL, "n * (1 + scale[idx])"), lambda v: is_op(v, ADD) and
-                        any(is_scalar(a, 1.0) for a in v.args))
-    scale_rows, one = either_order(operands(p, ADD, "1 + scale[idx]"), lambda v: isinstance(v, Node))
-    expect(is_scalar(one, 1.0), f"{p}: not 1 + scale")
+                        any(is_scalar(a, 1.0) for a in v.args), "`1 + scale[idx]`")
+    scale_rows, one = either_order(operands(p, ADD, "1 + scale[idx]"), lambda v: isinstance(v, Node), "a tensor")
+    expect(is_scalar(one, 1.0), f"the scale term adds {one!r}, not 1")
     scale = match_gather(scale_rows)
-    expect({dtype_of(p), dtype_of(q), compute} == {compute}, f"{y}: the affine mixes dtypes")
-    expect(compute in (act, f32), f"{y}: affine computed in {compute}")
+    expect({dtype_of(p), dtype_of(q), compute} == {compute}, "the modulation mixes dtypes between its steps")
+    expect(compute in (act, f32), f"the modulation computes in {compute}")
     nodes += [top, q, p]
     return Affine(y, n, shift, scale, compute, nodes)
 
@@ -235,14 +247,16 @@ def match_gated(u: object) -> Gated:
     def gated_product(v):
         return is_op(v, MUL) and len(v.args) == 2 and any(_is_gather(a) for a in v.args)
 
-    res, prod = either_order(operands(top, ADD, "res + gate[idx] * branch"), lambda v: not gated_product(v))
-    expect(gated_product(prod), f"{top}: no gate[idx] * branch operand")
-    gate_rows, branch = either_order(operands(prod, MUL, "gate[idx] * branch"), _is_gather)
+    res, prod = either_order(operands(top, ADD, "res + gate[idx] * branch"), lambda v: not gated_product(v),
+                             "the residual")
+    expect(gated_product(prod), "no `gate[idx] * branch` term")
+    gate_rows, branch = either_order(operands(prod, MUL, "gate[idx] * branch"), _is_gather, "a gather of table rows")
     gate = match_gather(gate_rows)
-    expect(not _is_gather(res), f"{top}: the residual is itself a table row, not a residual stream")
+    expect(not _is_gather(res), "the residual is itself a gather of table rows, not a residual stream")
     for name, v in (("residual", res), ("branch", branch)):
-        expect(dtype_of(v) == act and same_shape(shape_of(v), shape_of(u)), f"{u}: {name} {v} is not a {act} activation")
-    expect(dtype_of(top) in (act, f32) and dtype_of(prod) == dtype_of(top), f"{u}: the gated residual mixes dtypes")
+        expect(dtype_of(v) == act and same_shape(shape_of(v), shape_of(u)),
+               f"the {name} is {dtype_of(v)} {shape_of(v)}, the output {act} {shape_of(u)}")
+    expect(dtype_of(top) in (act, f32) and dtype_of(prod) == dtype_of(top), "the gated residual mixes dtypes")
     return Gated(u, res, branch, gate, dtype_of(prod), nodes + [top, prod])
 
 
@@ -251,16 +265,18 @@ def check_site(outputs: list[Node], gathers: list[Gather], act_node: Node, inter
     hidden = shape_of(act_node)[-1]
     index = gathers[0].index
     for g in gathers:
-        expect(g.index is index, f"{g.output}: gathers of one site use different index tensors")
-        expect(same_size(shape_of(g.table)[1], hidden), f"{g.table}: table width {shape_of(g.table)[1]} != H={hidden}")
+        expect(g.index is index, "its tables are gathered with different index tensors")
+        expect(same_size(shape_of(g.table)[1], hidden), f"a table is {shape_of(g.table)[1]} wide, the activations {hidden}")
         expect(same_size(shape_of(g.table)[0], shape_of(gathers[0].table)[0]),
                "tables of one site have different row counts")
     lead = shape_of(act_node)[:-1]
-    expect(same_size(_numel(shape_of(index)), _numel(lead)), f"{index}: index has {shape_of(index)} for activations {lead}")
+    expect(same_size(_numel(shape_of(index)), _numel(lead)),
+           f"the index has shape {shape_of(index)}, the activations {lead} rows",
+           hint="a gather broadcast over a batch dim is not fused")
     device = device_of(act_node)
-    expect(device is not None and device.type in DEVICES, f"{act_node}: device {device} is not CUDA or CPU")
+    expect(device is not None and device.type in DEVICES, f"the activations are on {device}, not CUDA or the CPU")
     for g in gathers:
-        expect(device_of(g.table) == device and device_of(index) == device, f"{g.output}: tensors on other devices")
+        expect(device_of(g.table) == device and device_of(index) == device, "its tensors are on different devices")
     inside = set(interior) | set(outputs)
     _check_interior(interior, inside)
 
@@ -269,7 +285,11 @@ def _check_interior(interior: list[Node], inside: set[Node]) -> None:
     for node in interior:
         outside = [u for u in node.users if u not in inside]
         if outside:
-            raise NoMatch(f"interior value {node} is also used by {outside[0]} outside the site")
+            raise NoMatch(f"an intermediate value ({describe(node)}) is also used elsewhere, by {describe(outside[0])}"
+                          f"{source_of(outside[0], ' at ')}",
+                          hint="in a training graph Inductor's post-grad pass sees values saved for the backward: "
+                               "compile with backend='h3_fused', which fuses before autograd, or run inference "
+                               "under torch.no_grad()")
 
 
 def _numel(shape) -> object:
@@ -324,9 +344,10 @@ class Site:
 
 def _upcast(gathers: list[Gather], compute: torch.dtype) -> bool:
     flags = {g.upcast for g in gathers}
-    expect(len(flags) == 1, "some tables of the site are upcast and others are not")
+    expect(len(flags) == 1, "some of its tables are upcast to fp32 and others are not")
     upcast = flags.pop()
-    expect(upcast == (compute == f32 and dtype_of(gathers[0].table) in LOW_PRECISION), "upcast and compute dtype disagree")
+    expect(upcast == (compute == f32 and dtype_of(gathers[0].table) in LOW_PRECISION),
+           "the tables' upcast and the dtype of the modulation disagree")
     return upcast
 
 
@@ -341,10 +362,10 @@ def norm_modulate_site(y: Node) -> Site:
     hidden = shape_of(y)[-1]
     norm = match_norm(aff.n, act, hidden)
     gathers = [aff.scale, aff.shift]
-    expect(same_shape(shape_of(norm.x), shape_of(y)), f"{y}: output shape differs from the norm input")
+    expect(same_shape(shape_of(norm.x), shape_of(y)), "the output's shape is not the norm input's (a broadcast)")
     upcast = _upcast(gathers, aff.compute) if aff.compute != act else False
     expect(aff.compute == act or upcast or dtype_of(aff.scale.table) == f32,
-           f"{y}: affine in {aff.compute} with {dtype_of(aff.scale.table)} tables")
+           f"the modulation computes in {aff.compute} with {dtype_of(aff.scale.table)} tables")
     interior = aff.nodes + norm.nodes + _gather_interior(gathers)
     interior = [n for n in interior if n is not y]
     check_site([y], gathers, norm.x, interior)

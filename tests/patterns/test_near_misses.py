@@ -35,6 +35,10 @@ NEAR_MISSES = {
         lambda n: (n * (1 + scale[idx]) + shift[idx], n.sum()))(F.rms_norm(x, (H,), w, 1e-5)),
     "gated residual product used elsewhere": lambda x, b, w, shift, scale, gate, idx, idx2: (
         lambda g: (x + g, g * 2))(gate[idx] * b),
+    "LayerNorm": lambda x, b, w, shift, scale, gate, idx, idx2: (
+        F.layer_norm(x, (H,), w, None, 1e-5) * (1 + scale[idx]) + shift[idx]),
+    "modulation broadcast per sample": lambda x, b, w, shift, scale, gate, idx, idx2: (
+        F.rms_norm(x, (H,), w, 1e-5) * (1 + scale[:1]) + shift[:1]),
 }
 
 
@@ -43,7 +47,9 @@ def test_near_misses_do_not_fuse(name):
     assert fused_count(NEAR_MISSES[name]) == 0
 
 
-def test_refusals_are_logged_with_the_reason():
+@pytest.fixture
+def h3_fused_log():
+    """The records of the ``h3_fused`` logger at DEBUG while the test runs."""
     records = []
     handler = logging.Handler(logging.DEBUG)
     handler.emit = records.append
@@ -51,13 +57,26 @@ def test_refusals_are_logged_with_the_reason():
     old_level = logger.level
     logger.addHandler(handler)
     logger.setLevel(logging.DEBUG)
-    try:
-        fused_count(NEAR_MISSES["different index per gather"])
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(old_level)
-    assert any("different index tensors" in r.getMessage() for r in records)
-    assert counters["h3_fused"]["refused"] >= 1
+    yield records
+    logger.removeHandler(handler)
+    logger.setLevel(old_level)
+
+
+@pytest.mark.parametrize("name, reason, hint", [
+    ("different index per gather", "its tables are gathered with different index tensors", None),
+    ("LayerNorm", "the norm subtracts the mean: a LayerNorm", "LayerNorm is not fused, only RMSNorm"),
+    ("modulation broadcast per sample", "is not a per-token gather of table rows",
+     "modulation broadcast per sample"),
+])
+def test_refusals_say_where_what_and_why_in_the_models_terms(name, reason, hint, h3_fused_log):
+    """A refusal names what the candidate looked like, the model's source line (here, this file's), the reason
+    in plain words, and a hint where one helps."""
+    fused_count(NEAR_MISSES[name])
+    messages = [r.getMessage() for r in h3_fused_log if "not fused" in r.getMessage()]
+    assert messages and counters["h3_fused"]["refused"] >= 1
+    line = next((m for m in messages if reason in m), messages)
+    assert reason in line and "test_near_misses.py:" in line and "(site" in line, line
+    assert hint is None or f"hint: {hint}" in line, line
 
 
 def test_gate_then_norm_fuses_as_one_site():
