@@ -1,15 +1,18 @@
 """Options of the h3_fused backend and pass.
 
 ``dtype_policy``: ``"auto"`` (default), ``"bf16"`` or ``"fp32"`` (see ``h3_fused.kernels.policy``).
-Every other key is an Inductor config option, passed through unchanged. Under the ``bf16`` policy the
+Every other key is an Inductor config option, passed through unchanged; any other key is refused where the
+options are read, with the nearest known key. Under the ``bf16`` policy the
 backend also turns on Inductor's ``emulate_precision_casts`` (eager rounding for the parts of the
 graph that are not modulation sites) unless the caller set it.
 """
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass
 
+import torch._inductor.config as inductor_config
 from h3_fused.kernels.policy import POLICIES
 
 OWN_KEYS = ("dtype_policy",)
@@ -25,10 +28,16 @@ class FusionOptions:
 
     @classmethod
     def split(cls, options: dict | None) -> tuple[FusionOptions, dict]:
-        """``(our options, Inductor options)`` from ``torch.compile(..., options=...)``."""
+        """``(our options, Inductor options)`` from ``torch.compile(..., options=...)``; a key that is neither
+        ours nor Inductor's raises ``ValueError`` naming it, with the nearest known key."""
+        if options is not None and not isinstance(options, dict):
+            raise TypeError(f"options must be a dict, got {type(options).__name__}")
         options = dict(options or {})
-        unknown_own = [k for k in options if k.startswith("h3_fused") or k in ("policy",)]
-        if unknown_own:
-            raise ValueError(f"unknown h3_fused option(s) {unknown_own}; known: {list(OWN_KEYS)}")
+        inductor_keys = inductor_config.get_config_copy().keys()
+        for key in options:
+            if key not in OWN_KEYS and key not in inductor_keys:
+                near = difflib.get_close_matches(key, [*OWN_KEYS, *inductor_keys], n=1)
+                raise ValueError(f"unknown option {key!r}" + (f" (did you mean {near[0]!r}?)" if near else "")
+                                 + f": h3_fused takes {', '.join(OWN_KEYS)} and the options of torch._inductor.config")
         ours = {k: options.pop(k) for k in OWN_KEYS if k in options}
         return cls(**ours), options

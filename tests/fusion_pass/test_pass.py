@@ -93,8 +93,35 @@ def test_bad_options_raise_clearly():
     with pytest.raises(Exception, match="dtype_policy must be one of"):
         torch.compile(site_a, backend="h3_fused", options={"dtype_policy": "bf17"})(**inputs())
     torch._dynamo.reset()
-    with pytest.raises(Exception, match="h3_fused_policy"):
-        torch.compile(site_a, backend="h3_fused", options={"h3_fused_policy": "bf16"})(**inputs())
+    with pytest.raises(Exception, match="unknown option 'dtype_polcy' \\(did you mean 'dtype_policy'\\?\\)"):
+        torch.compile(site_a, backend="h3_fused", options={"dtype_polcy": "bf16"})(**inputs())
+
+
+def test_options_are_checked_where_they_are_given_with_the_nearest_known_key():
+    from helpers import tiny
+
+    model, _, _ = tiny()
+    with pytest.raises(ValueError, match="unknown option 'dtype_polcy' \\(did you mean 'dtype_policy'\\?\\)"):
+        h3_fused.compile_repeated_blocks(model, options={"dtype_polcy": "bf16"})
+    with pytest.raises(ValueError, match="did you mean 'emulate_precision_casts'"):
+        h3_fused.make_config_patches({"emulate_precision_cast": True})
+    with pytest.raises(TypeError, match="options must be a dict"):
+        h3_fused.make_config_patches([("dtype_policy", "bf16")])
+
+
+def test_compile_repeated_blocks_refuses_what_it_cannot_compile():
+    from helpers import tiny
+
+    model, latents, layout = tiny()
+    with pytest.raises(ValueError, match="no repeated block classes"):
+        h3_fused.compile_repeated_blocks(torch.nn.Linear(2, 2))
+    with pytest.raises(TypeError, match="block_classes must hold nn.Module subclasses"):
+        h3_fused.compile_repeated_blocks(model, block_classes=[int])
+    with pytest.raises(ValueError, match="has no instance in the model"):
+        h3_fused.compile_repeated_blocks(model, block_classes=[torch.nn.Conv2d])
+    h3_fused.compile_repeated_blocks(model, dynamic_token_dim=5)
+    with pytest.raises(ValueError, match="dynamic_token_dim=5: no tensor argument of H3Block has a dim 5"):
+        model(latents, layout)
 
 
 def test_backend_entry_point_and_callable():
