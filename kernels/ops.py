@@ -1,9 +1,10 @@
 """The fused modulation ops, ``torch.ops.h3_fused.*``, and the public functions that call them.
 
 Each op is a ``torch.library.triton_op``: under ``torch.compile`` its body is traced, so on CUDA the
-Triton kernel is inlined into Inductor's generated code (no dispatcher call). CPU tensors (and any
-device Triton must not be launched on) go through ``h3_fused::reference_modulation``, an opaque op
-that runs the pure-torch implementation (bit-identical to eager on the CPU under ``bf16``).
+Triton kernel is inlined into Inductor's generated code (no dispatcher call). For CPU tensors (and any
+device Triton must not be launched on) the body is the pure-torch reference (``reference.py``, eager's
+operations in eager's order): called directly it is bit-identical to eager under ``bf16``; traced, its
+operations are the graph's, and Inductor generates their CPU code as it would the unfused site's.
 
 The public functions ``norm_modulate``, ``gate_norm_modulate`` and ``gate_residual`` take the op's
 arguments and call its body directly where no tracer, mode or transform could see the call and autograd
@@ -21,7 +22,7 @@ import contextlib
 import functools
 
 import torch
-from torch.library import custom_op, triton_op, wrap_triton
+from torch.library import triton_op, wrap_triton
 
 from .arguments import ModulationArgs, check_args
 from .direct_call import needs_grad, untraced
@@ -47,8 +48,10 @@ def triton_allowed(device: torch.device, dtype: torch.dtype) -> bool:
 def _run(a: ModulationArgs, raw: dict, want_u: bool, want_y: bool):
     if a.rows == 0 or a.hidden == 0:
         return _empty_outputs(a, want_u, want_y)
-    if not triton_allowed(a.device, a.dtype):
-        u, y = torch.ops.h3_fused.reference_modulation(**raw)
+    if not triton_allowed(a.device, a.dtype):  # traced, the reference's ops are the graph's: Inductor compiles them
+        if untraced(raw.values()):
+            check_index_on_host(a)
+        u, y = reference_modulation(a)
         return (u if want_u else None), (y if want_y else None)
     if a.device.type == "cpu":  # the Triton interpreter: validate indices on the host
         check_index_on_host(a)
@@ -77,31 +80,6 @@ def check_index_on_host(a: ModulationArgs) -> None:
         first = int(bad.nonzero()[0, 0])
         raise IndexError(f"index out of range: index[{first}] = {int(a.index[first])} "
                          f"is not in [0, {a.num_table_rows})")
-
-
-@custom_op("h3_fused::reference_modulation", mutates_args=())
-def reference_modulation_op(
-    x: Tensor | None, residual: Tensor | None, branch: Tensor | None, gate: Tensor | None,
-    weight: Tensor | None, shift: Tensor | None, scale: Tensor | None, index: Tensor,
-    eps: float, policy: str, norm_rounds_before_weight: bool, upcast_tables: bool,
-) -> tuple[Tensor, Tensor]:
-    """Pure-torch ``(u, y)`` of any site; an output the site does not produce is empty."""
-    a = check_args(x=x, residual=residual, branch=branch, gate=gate, weight=weight, shift=shift, scale=scale,
-                   index=index, eps=eps, policy=policy, norm_rounds_before_weight=norm_rounds_before_weight,
-                   upcast_tables=upcast_tables, has_norm=scale is not None)
-    check_index_on_host(a)
-    u, y = reference_modulation(a)
-    nothing = a.index.new_empty(0, dtype=a.dtype)
-    return (nothing if u is None else u), (nothing if y is None else y)
-
-
-@reference_modulation_op.register_fake
-def _(x, residual, branch, gate, weight, shift, scale, index, eps, policy, norm_rounds_before_weight,
-      upcast_tables):
-    lead = x if x is not None else residual
-    nothing = lead.new_empty(0)
-    out = torch.empty_like(lead, memory_format=torch.contiguous_format)
-    return (nothing if gate is None else out), (nothing if scale is None else torch.empty_like(out))
 
 
 class PublicOp:

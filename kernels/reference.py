@@ -1,9 +1,10 @@
 """Pure-torch implementation of the fused modulation, on any device.
 
 It performs the eager graph's operations in the eager order, in fp32 (fp64 for fp64 activations), rounding
-to the activation dtype ``A`` exactly where ``Rounding`` says, so on the CPU under the ``bf16`` policy it is bit-identical to the
-unfused model (the norm with one rounding *is* ``F.rms_norm``, as ``nn.RMSNorm`` calls it). Used for
-CPU tensors, for devices Triton must not be launched on, and as the test oracle of the kernels.
+to the activation dtype ``A`` exactly where ``Rounding`` says, so run eagerly on the CPU under the ``bf16``
+policy it is bit-identical to the unfused model (the norm with one rounding *is* ``F.rms_norm``, as
+``nn.RMSNorm`` calls it). It is the ops' body for CPU tensors and devices Triton must not be launched on
+(under ``torch.compile`` Inductor compiles its operations), and the test oracle of the kernels.
 """
 
 from __future__ import annotations
@@ -41,13 +42,13 @@ def sum_rounded_once(residual: torch.Tensor, gate_rows: torch.Tensor, branch: to
     f = s.float()
     rest = (s - f.double()) + e  # the exact sum minus f: 0 exactly where f is exact, else of its sign
     beyond = ((rest < 0) & (f > 0)) | ((rest > 0) & (f < 0))
-    f = torch.where(beyond, torch.nextafter(f, torch.zeros_like(f)), f)
-    odd = (f.view(torch.int32) | (rest != 0).to(torch.int32)).view(f32)
+    bits = f.view(torch.int32) - beyond.to(torch.int32)  # one place toward zero, either sign
+    odd = (bits | (rest != 0).to(torch.int32)).view(f32)
     return torch.where(torch.isfinite(s), odd, s.float()).to(dtype).to(f32)
 
 
 def gated_residual(a: ModulationArgs) -> torch.Tensor:
-    """``u = R_A(res + [R_A](gate[idx] * branch))`` as values of ``a.compute_dtype``.
+    """``u = R_A(res + [R_A](gate[idx] * branch))``, in the activation dtype.
 
     Under ``fp32`` (``Rounding.fused_multiply_add``) with the gate table in the activation dtype (bf16 or
     fp16), the exact sum is rounded once (``sum_rounded_once``), as the CUDA kernel's multiply-add in that
@@ -56,17 +57,19 @@ def gated_residual(a: ModulationArgs) -> torch.Tensor:
     fp32's last place, and so, rarely, the stored residuals)."""
     gate_rows = a.gate.index_select(0, a.index.long())
     if a.rounding.fused_multiply_add and gate_rows.dtype == a.dtype and a.dtype in (torch.bfloat16, torch.float16):
-        return sum_rounded_once(a.residual, gate_rows, a.branch, a.dtype)
+        return sum_rounded_once(a.residual, gate_rows, a.branch, a.dtype).to(a.dtype)
     c = a.compute_dtype
     product = _round(gate_rows.to(c) * a.branch.to(c), a.dtype, a.rounding.gate_product)
-    return _round(a.residual.to(c) + product, a.dtype, True)
+    return (a.residual.to(c) + product).to(a.dtype)
 
 
 def rms_norm(u: torch.Tensor, a: ModulationArgs) -> torch.Tensor:
-    """``n`` in ``u``'s dtype: ``R_A(u*r*w)``, ``R_A(R_A(u*r)*w)`` or unrounded, ``r = rsqrt(mean(u^2)+eps)``."""
+    """``n`` of ``u`` (activation dtype), as values of ``a.compute_dtype``: ``R_A(u*r*w)``, ``R_A(R_A(u*r)*w)`` or
+    unrounded, ``r = rsqrt(mean(u^2)+eps)``."""
     r = a.rounding
     if r.norm_output and not r.norm_before_weight:
-        return F.rms_norm(u.to(a.dtype), (a.hidden,), a.weight, a.eps).to(u.dtype)
+        return F.rms_norm(u, (a.hidden,), a.weight, a.eps).to(a.compute_dtype)
+    u = u.to(a.compute_dtype)
     normed = u * torch.rsqrt(u.pow(2).mean(-1, keepdim=True) + a.eps)
     if a.weight is None:
         return _round(normed, a.dtype, r.norm_output)
@@ -88,12 +91,11 @@ def modulate(n: torch.Tensor, a: ModulationArgs) -> torch.Tensor:
 
 def reference_modulation(a: ModulationArgs) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """``(u, y)`` for the site ``a`` describes: A gives ``(None, y)``, B ``(u, y)``, C ``(u, None)``."""
-    u = gated_residual(a) if a.gate is not None else None
+    u = gated_residual(a).view(a.out_shape) if a.gate is not None else None
     if a.scale is None:
-        return u.to(a.dtype).view(a.out_shape), None
-    n = rms_norm(u if u is not None else a.x.to(a.compute_dtype), a)
-    y = modulate(n, a).view(a.out_shape)
-    return (u.to(a.dtype).view(a.out_shape) if u is not None else None), y
+        return u, None
+    n = rms_norm((u if u is not None else a.x).reshape(-1, a.hidden), a)
+    return u, modulate(n, a).view(a.out_shape)
 
 
 def _index_sum(rows: torch.Tensor, index: torch.Tensor, num_rows: int) -> torch.Tensor:

@@ -2,7 +2,7 @@
 
 Two forms: ``decomposed`` (Inductor's post-grad graphs, inference) traces the replacement under
 functionalization, so the ``triton_op`` decomposes into its Triton kernel call (inlined by Inductor) on
-CUDA, and into the opaque pure-torch op on the CPU; otherwise (the graph the backend traces before
+CUDA, and into the pure-torch reference's operations on the CPU (which Inductor compiles); otherwise (the graph the backend traces before
 autograd, training) the replacement is a call of the op itself, whose registered autograd formula
 AOT autograd then traces into the fused forward and backward. The traced nodes are spliced in after the
 site's last input and before the first outside use of its outputs, carrying the site's activation
@@ -34,7 +34,9 @@ def replacement_fn(site: Site, policy: str):
     def fn(*tensors):
         t = dict(zip(names, tensors))
         lead = t[site.kind.lead]
-        index, weight = t["index"].reshape(lead.shape[:-1]), t.get("weight")
+        rows = lead.shape[:-1]  # one index per row: expanded over a batch the gathers broadcast over
+        index = t["index"].expand(rows) if site.index_broadcast else t["index"].reshape(rows)
+        weight = t.get("weight")
         if site.kind is SiteKind.NORM_MODULATE:
             return (ops.norm_modulate(lead, weight, t["shift"], t["scale"], index, **norm_flags),)
         if site.kind is SiteKind.GATE_NORM_MODULATE:
@@ -52,6 +54,7 @@ def _position(graph: Graph) -> dict[Node, int]:
 # What the replacement takes over from the site: the model's source line, and the tags with which
 # torch.utils.checkpoint's tracing marks its region (the partitioner recomputes such nodes in the backward)
 INHERITED_META = ("stack_trace", "nn_module_stack", "recompute", "ac_graph_id")
+SITE_META = "h3_fused_site"  # on every node of a replacement: which site it computes, for later passes to read
 
 
 def replace_site(graph: Graph, site: Site, policy: str, decomposed: bool = True) -> list[Node]:
@@ -68,6 +71,7 @@ def replace_site(graph: Graph, site: Site, policy: str, decomposed: bool = True)
         traced = fwd_only(dispatch_functionalize(fn), vals) if decomposed else make_fx(fn)(*vals)
     placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
     inherited = {k: site.outputs[-1].meta[k] for k in INHERITED_META if k in site.outputs[-1].meta}
+    inherited[SITE_META] = f"{site.kind.value}@{site.outputs[-1].name}"
     after = last_input.next
     with graph.inserting_before(after):
         new_outputs = graph.graph_copy(traced.graph, dict(zip(placeholders, inputs)))
@@ -96,4 +100,4 @@ def _erase_dead(graph: Graph, frontier: list[Node]) -> None:
             graph.erase_node(node)
 
 
-__all__ = ["NoMatch", "replace_site", "replacement_fn"]
+__all__ = ["SITE_META", "NoMatch", "replace_site", "replacement_fn"]

@@ -260,8 +260,9 @@ def match_gated(u: object) -> Gated:
     return Gated(u, res, branch, gate, dtype_of(prod), nodes + [top, prod])
 
 
-def check_site(outputs: list[Node], gathers: list[Gather], act_node: Node, interior: list[Node]) -> None:
-    """Checks shared by every site: one index, [K, H] tables, device, interior values used only inside."""
+def check_site(outputs: list[Node], gathers: list[Gather], act_node: Node, interior: list[Node]) -> bool:
+    """Checks shared by every site: one index, [K, H] tables, device, interior values used only inside.
+    Returns whether the index broadcasts over leading dims of the activations (``index_broadcast``)."""
     hidden = shape_of(act_node)[-1]
     index = gathers[0].index
     for g in gathers:
@@ -270,15 +271,24 @@ def check_site(outputs: list[Node], gathers: list[Gather], act_node: Node, inter
         expect(same_size(shape_of(g.table)[0], shape_of(gathers[0].table)[0]),
                "tables of one site have different row counts")
     lead = shape_of(act_node)[:-1]
-    expect(same_size(_numel(shape_of(index)), _numel(lead)),
-           f"the index has shape {shape_of(index)}, the activations {lead} rows",
-           hint="a gather broadcast over a batch dim is not fused")
+    broadcast = not same_size(_numel(shape_of(index)), _numel(lead))
+    expect(not broadcast or broadcasts_to(shape_of(index), lead),
+           f"the index has shape {shape_of(index)}, the activations {lead} rows")
     device = device_of(act_node)
     expect(device is not None and device.type in DEVICES, f"the activations are on {device}, not CUDA or the CPU")
     for g in gathers:
         expect(device_of(g.table) == device and device_of(index) == device, "its tensors are on different devices")
     inside = set(interior) | set(outputs)
     _check_interior(interior, inside)
+    return broadcast
+
+
+def broadcasts_to(index_shape, rows) -> bool:
+    """Whether ``table[index]`` rows broadcast over the activations' ``rows`` dims as ``index.expand(rows)``
+    (dims aligned from the right, each equal or 1: one layout shared by every sample of a batch)."""
+    if len(index_shape) > len(rows):
+        return False
+    return all(same_size(i, r) or same_size(i, 1) for i, r in zip(index_shape, rows[len(rows) - len(index_shape):]))
 
 
 def _check_interior(interior: list[Node], inside: set[Node]) -> None:
@@ -336,6 +346,7 @@ class Site:
     norm_rounds_before_weight: bool
     upcast_tables: bool
     interior: list[Node] = field(default_factory=list)
+    index_broadcast: bool = False  # the index is expanded over leading dims of the activations (a batch)
 
     @property
     def lead(self) -> Node:
@@ -368,9 +379,9 @@ def norm_modulate_site(y: Node) -> Site:
            f"the modulation computes in {aff.compute} with {dtype_of(aff.scale.table)} tables")
     interior = aff.nodes + norm.nodes + _gather_interior(gathers)
     interior = [n for n in interior if n is not y]
-    check_site([y], gathers, norm.x, interior)
+    broadcast = check_site([y], gathers, norm.x, interior)
     return Site(SiteKind.NORM_MODULATE, [y], dict(x=norm.x, weight=norm.weight, shift=aff.shift.table, scale=aff.scale.table,
-                               index=aff.scale.index), norm.eps, norm.rounds_before_weight, upcast, interior)
+                               index=aff.scale.index), norm.eps, norm.rounds_before_weight, upcast, interior, broadcast)
 
 
 def gate_residual_site(u: Node) -> Site:
@@ -378,9 +389,9 @@ def gate_residual_site(u: Node) -> Site:
     act = dtype_of(u)
     upcast = _upcast([gated.gate], gated.product) if gated.product != act else False
     interior = [n for n in gated.nodes + _gather_interior([gated.gate]) if n is not u]
-    check_site([u], [gated.gate], u, interior)
+    broadcast = check_site([u], [gated.gate], u, interior)
     return Site(SiteKind.GATE_RESIDUAL, [u], dict(residual=gated.residual, gate=gated.gate.table, branch=gated.branch,
-                               index=gated.gate.index), 0.0, False, upcast, interior)
+                               index=gated.gate.index), 0.0, False, upcast, interior, broadcast)
 
 
 def merge_gate_and_norm(c: Site, a: Site) -> Site:
@@ -395,7 +406,8 @@ def merge_gate_and_norm(c: Site, a: Site) -> Site:
                   index=c.inputs["index"])
     interior = c.interior + a.interior
     _check_interior(interior, set(interior) | {u, a.outputs[0]})
-    return Site(SiteKind.GATE_NORM_MODULATE, [u, a.outputs[0]], inputs, a.eps, a.norm_rounds_before_weight, a.upcast_tables, interior)
+    return Site(SiteKind.GATE_NORM_MODULATE, [u, a.outputs[0]], inputs, a.eps, a.norm_rounds_before_weight, a.upcast_tables,
+                interior, c.index_broadcast)
 
 
 def _anchor_top(node: Node) -> object:

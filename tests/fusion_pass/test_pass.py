@@ -9,22 +9,18 @@ import pytest
 import torch
 from h3_fused import H3FusionPass
 from h3_fused.graph_pass import INFERENCE_AWARE
-from helpers import bf16, fused_count, inputs, site_a
+from helpers import bf16, fused_count, fused_sites_in, inputs, site_a
 from torch._dynamo.utils import counters
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 pytestmark = pytest.mark.usefixtures("fresh_compile")
 
 
-def fused_ops_in(graph) -> int:
-    return sum(1 for n in graph.nodes if "modulation" in str(n.target))
-
-
 def test_user_post_grad_pass_is_chained_not_dropped():
     seen = []
 
     def user_pass(graph):
-        seen.append(fused_ops_in(graph))
+        seen.append(fused_sites_in(graph))
 
     with torch._inductor.config.patch(post_grad_custom_post_pass=user_pass):
         assert fused_count(site_a) == 1
@@ -36,10 +32,10 @@ def test_a_list_of_user_post_grad_passes_runs_after_ours_in_order():
     seen = []
 
     def first(graph):
-        seen.append(("first", fused_ops_in(graph)))
+        seen.append(("first", fused_sites_in(graph)))
 
     def second(graph):
-        seen.append(("second", fused_ops_in(graph)))
+        seen.append(("second", fused_sites_in(graph)))
 
     with torch._inductor.config.patch(post_grad_custom_post_pass=[first, second]):
         assert fused_count(site_a) == 1
@@ -169,12 +165,10 @@ if route == "backend":
     compiled = torch.compile(f, backend="h3_fused", options={"dtype_policy": policy})
 else:  # an Inductor setup of one's own
     compiled = torch.compile(f, options=h3_fused.make_config_patches({"dtype_policy": policy}))
-compiled(*args)
-with torch.profiler.profile() as p:
-    compiled(*args)
-ran = sum(1 for e in p.events() if e.name == "h3_fused::reference_modulation")
+out = compiled(*args)
+assert policy == "fp32" or torch.equal(out, f(*args)), "bf16 is eager's bits"
 print("hit", counters["inductor"]["fxgraph_cache_hit"], "miss", counters["inductor"]["fxgraph_cache_miss"],
-      "aot_hit", counters["aot_autograd"]["autograd_cache_hit"], "ran", ran, "fused", counters["h3_fused"]["norm_modulate"])
+      "aot_hit", counters["aot_autograd"]["autograd_cache_hit"], "fused", counters["h3_fused"]["norm_modulate"])
 """
 
 
@@ -191,10 +185,9 @@ def test_fx_graph_and_aot_autograd_caches_hit_in_a_fresh_process_and_policy_chan
 
     # through the backend the counters say what the loaded code fuses; the pass alone cannot hear of a hit
     counted_on_a_hit = 1 if route == "backend" else 0
-    assert run("bf16") == "hit 0 miss 1 aot_hit 0 ran 1 fused 1"
-    assert run("bf16") == f"hit 1 miss 0 aot_hit 1 ran 1 fused {counted_on_a_hit}", \
-        "fresh process: both caches hit and the fused code runs"
-    assert run("fp32") == "hit 0 miss 1 aot_hit 0 ran 1 fused 1", "a policy change misses"
+    assert run("bf16") == "hit 0 miss 1 aot_hit 0 fused 1"
+    assert run("bf16") == f"hit 1 miss 0 aot_hit 1 fused {counted_on_a_hit}", "fresh process: both caches hit"
+    assert run("fp32") == "hit 0 miss 1 aot_hit 0 fused 1", "a policy change misses"
 
 
 def test_an_inductor_setup_of_ones_own_gets_the_fusion_from_make_config_patches():
@@ -203,7 +196,7 @@ def test_an_inductor_setup_of_ones_own_gets_the_fusion_from_make_config_patches(
     seen = []
 
     def engine_pass(graph):
-        seen.append(fused_ops_in(graph))
+        seen.append(fused_sites_in(graph))
 
     options = h3_fused.make_config_patches({"dtype_policy": "bf16", "post_grad_custom_post_pass": engine_pass})
     assert options["emulate_precision_casts"] is True

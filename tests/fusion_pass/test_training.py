@@ -69,8 +69,8 @@ def test_training_graphs_use_the_fused_forward_and_backward(mode):
     else:  # one compiled graph serves every block
         assert (fused["norm_modulate"], fused["gate_norm_modulate"], fused["gate_residual"]) == (1, 1, 1)
     assert fused["refused"] == 0
-    assert spy.count("h3_fused.reference_modulation.default") == spy.count(
-        "h3_fused.reference_modulation_backward.default") > 0, "each fused forward has its fused backward"
+    assert spy.count("h3_fused.reference_modulation_backward.default") == sum(fused.values()), \
+        "each fused site has its fused backward"
     assert not spy.scatters(), "no table gradient is left to a scatter"
     assert_bf16_policy(got, expected)
     assert_gradients_close(grads, expected_grads)
@@ -161,6 +161,31 @@ def test_a_no_grad_region_inside_the_model_stays_without_gradient():
     assert torch.equal(x.grad, expected)
 
 
+def test_rows_broadcast_over_a_batch_get_their_table_gradients_summed_over_the_batch():
+    """Activations [2, T, H] with one index [T] (one layout for both samples): each table row's gradient sums
+    its rows of both samples."""
+    g = torch.Generator().manual_seed(0)
+    weight = torch.nn.Parameter((1 + 0.1 * torch.randn(64, generator=g)).to(bf16))
+    table = torch.nn.Parameter((0.3 * torch.randn(6, 3 * 64, generator=g)).to(bf16))
+    idx = torch.randint(0, 6, (16,), generator=g)
+    branch = torch.randn(2, 16, 64, generator=g).to(bf16)
+
+    def fn(x):
+        shift, scale, gate = table.chunk(3, -1)
+        u = x + gate[idx] * branch
+        return u, F.rms_norm(u, (64,), weight, 1e-5) * (1 + scale[idx]) + shift[idx]
+
+    x = torch.randn(2, 16, 64, generator=g).to(bf16).requires_grad_()
+    grads = []
+    for f in (fn, torch.compile(fn, backend="h3_fused", options={"dtype_policy": "bf16"})):
+        x.grad = table.grad = weight.grad = None
+        u, y = f(x)
+        (loss_of(u) + loss_of(y)).backward()
+        grads.append({"x": x.grad, "table": table.grad, "weight": weight.grad})
+    assert counters["h3_fused"]["gate_norm_modulate"] == 1
+    assert_gradients_close(grads[1], grads[0])
+
+
 def test_a_near_miss_in_a_training_graph_compiles_as_inductor_compiles_it():
     weight = torch.nn.Parameter((1 + 0.1 * torch.randn(64)).to(bf16))
     table = torch.nn.Parameter((0.3 * torch.randn(6, 128)).to(bf16))
@@ -180,7 +205,10 @@ def test_a_near_miss_in_a_training_graph_compiles_as_inductor_compiles_it():
         results.append((out, x.grad, table.grad, weight.grad))
     assert sum(v for k, v in counters["h3_fused"].items() if k != "refused") == 0
     assert counters["h3_fused"]["refused"] >= 1
-    assert all(torch.equal(a, b) for a, b in zip(*results))
+    (out, x_grad, table_grad, weight_grad), inductor = results[1], results[0]
+    assert torch.equal(out, inductor[0]) and torch.equal(x_grad, inductor[1]) and torch.equal(weight_grad, inductor[3])
+    # Inductor's CPU scatter of the table gradient adds with atomics: its bits vary from run to run
+    torch.testing.assert_close(table_grad, inductor[2], rtol=1e-2, atol=1e-2 * inductor[2].abs().max().item())
 
 
 def test_a_graph_the_trace_cannot_keep_faithful_compiles_unfused():

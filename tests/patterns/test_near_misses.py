@@ -6,7 +6,7 @@ import operator
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import bf16, fused_count, site_a
+from helpers import as_tuple, assert_bf16_policy, bf16, fused_count, inputs, site_a
 from torch._dynamo.utils import counters
 
 H = 64
@@ -77,6 +77,30 @@ def test_refusals_say_where_what_and_why_in_the_models_terms(name, reason, hint,
     line = next((m for m in messages if reason in m), messages)
     assert reason in line and "test_near_misses.py:" in line and "(site" in line, line
     assert hint is None or f"hint: {hint}" in line, line
+
+
+SHARED_LAYOUT = {  # activations [B, T, H], one index [T]: every sample of the batch has the same layout
+    "A": lambda x, b, w, shift, scale, gate, idx: F.rms_norm(x, (H,), w, 1e-5) * (1 + scale[idx]) + shift[idx],
+    "C": lambda x, b, w, shift, scale, gate, idx: x + gate[idx] * b,
+    "B": lambda x, b, w, shift, scale, gate, idx: (
+        lambda u: (u, F.rms_norm(u, (H,), w, 1e-5) * (1 + scale[idx]) + shift[idx]))(x + gate[idx] * b),
+}
+
+
+@pytest.mark.parametrize("index_shape", [(16,), (1, 16), (2, 1)], ids=["T", "1xT", "Bx1"])
+@pytest.mark.parametrize("site", list(SHARED_LAYOUT))
+def test_gathered_rows_broadcast_over_a_batch_fuse(site, index_shape):
+    """As diffusers' H3 model with a batch of two (classifier-free guidance): one layout's rows broadcast over
+    the batch dim (or one row per sample over its tokens); the fused op takes the index expanded to every row."""
+    t = inputs()
+    x, b = torch.stack([t["x"], t["x"].flip(0)]), torch.stack([t["b"], -t["b"]])
+    idx = t["idx"][:2].view(index_shape) if index_shape == (2, 1) else t["idx"].view(index_shape)
+    args = (x, b, t["w"], t["shift"], t["scale"], t["gate"], idx)
+    fn = SHARED_LAYOUT[site]
+    got = torch.compile(fn, backend="h3_fused", options={"dtype_policy": "bf16"})(*args)
+    assert sum(v for k, v in counters["h3_fused"].items() if k != "refused") == 1
+    for g, e in zip(as_tuple(got), as_tuple(fn(*args))):
+        assert_bf16_policy(g, e)
 
 
 def test_gate_then_norm_fuses_as_one_site():
