@@ -13,7 +13,10 @@
 4. Compile time: first compile (empty caches, a process per variant) and warm-cache compile of the
    regional block, per variant, with the warm compile's FX graph / AOT autograd cache hits and
    Dynamo's time per compile phase.
-5. Inventory (``--parts inventory``, not in the default parts): the CUDA kernels of one block of the
+5. diffusers (``--parts diffusers``; needs diffusers): ``MiniMaxH3Transformer3DModel`` at the checkpoint's
+   dims and precision, ``--diffusers-blocks`` blocks, T = 15,808 rows, under diffusers' own
+   ``compile_repeated_blocks`` per variant: ms and CUDA kernels per forward.
+6. Inventory (``--parts inventory``, not in the default parts): the CUDA kernels of one block of the
    model-level graph by name, under Inductor and h3_fused, and what each launches that the other does not.
 """
 
@@ -163,6 +166,30 @@ def kernel_inventory(rows):
               f"{dict(only)}", flush=True)
 
 
+def diffusers_model(rows, blocks):
+    """diffusers' model, side by side per variant, each compiled as its users do (``compile_repeated_blocks``)."""
+    from diffusers_h3 import REAL_DIMS_FEW_BLOCKS, build_model, make_request
+
+    for variant in tqdm(VARIANTS, desc="diffusers"):
+        release()
+        model = build_model("cuda", dict(REAL_DIMS_FEW_BLOCKS, num_layers=blocks))
+        request, video, audio = make_request(model, video_rows=TOKENS - 1024, audio_rows=512, text_rows=512,
+                                             batch=1, device="cuda")
+        inputs = request.model_inputs(video, audio, torch.tensor(0.7))
+        if VARIANTS[variant] is not None:
+            backend, options = VARIANTS[variant]
+            model.compile_repeated_blocks(backend=backend, options=options or None, dynamic=False)
+        with torch.no_grad():
+            call = lambda model=model: model(**inputs)  # noqa: E731
+            ms = do_bench(call, return_mode="median")
+            n, _, _, fused = profile_kernels(call)
+        rows.append(dict(level="diffusers", variant=variant, blocks=blocks, T=TOKENS, ms=ms, kernels=n,
+                         fused_kernels=fused, counters=dict(counters["h3_fused"])))
+        print(f"diffusers {variant:14s} {blocks} blocks: {ms:8.2f} ms  {n:5d} kernels/forward ({fused} fused)",
+              flush=True)
+        del model, call
+
+
 def psnr(x: torch.Tensor, ref: torch.Tensor) -> float:
     mse = (x.double() - ref.double()).pow(2).mean().item()
     peak = ref.double().abs().max().item()
@@ -242,6 +269,7 @@ def main():
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--traj-blocks", type=int, default=2)
     parser.add_argument("--traj-tokens", type=int, default=2048)
+    parser.add_argument("--diffusers-blocks", type=int, default=4)
     parser.add_argument("--parts", default="compile,block,model,trajectory")
     parser.add_argument("--compile-variants", default="inductor,inductor_epc,h3_fused_fp32,h3_fused_bf16")
     parser.add_argument("--compile-variant", help=argparse.SUPPRESS)  # one compile-time child process
@@ -257,6 +285,7 @@ def main():
         "model": lambda rows: model_level(rows, args.blocks, args.whole_blocks),
         "trajectory": lambda rows: trajectory(rows, args.traj_blocks, args.steps, args.traj_tokens),
         "inventory": kernel_inventory,
+        "diffusers": lambda rows: diffusers_model(rows, args.diffusers_blocks),
     }
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     rows = []

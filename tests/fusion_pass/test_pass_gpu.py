@@ -116,3 +116,33 @@ def test_real_size_blocks_train_with_the_fused_backward(policy):
     for name, e in exact.items():
         mine, theirs = (ours[name] - e).norm().item(), (eager[name] - e).norm().item()
         assert mine <= 1.1 * theirs + 1e-3 * e.norm().item(), (name, mine, theirs)
+
+
+@pytest.mark.parametrize("policy", ["bf16", "fp32"])
+def test_diffusers_model_at_real_dims_under_its_regional_compile(policy):
+    """diffusers' MiniMaxH3Transformer3DModel, the checkpoint's dims and precision, 2 blocks, 15,808 rows: the
+    three fused kernels run per block, and the output stays within the policy's bound of eager."""
+    pytest.importorskip("diffusers", reason="needs diffusers (on the GPU box: .ci/fetch-wheels, carry .whl)")
+    from diffusers_h3 import REAL_DIMS_FEW_BLOCKS, build_model, make_request
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = build_model("cuda", REAL_DIMS_FEW_BLOCKS)
+    request, video, audio = make_request(model, video_rows=REAL_TOKENS - 1024, audio_rows=512, text_rows=512,
+                                         batch=1, device="cuda")
+    inputs = request.model_inputs(video, audio, torch.tensor(0.7))
+    with torch.no_grad():
+        expected = model(**inputs).sample
+        model.compile_repeated_blocks(backend="h3_fused", options={"dtype_policy": policy})
+        got = model(**inputs).sample
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            model(**inputs)
+            torch.cuda.synchronize()
+    assert (counters["h3_fused"]["norm_modulate"], counters["h3_fused"]["gate_norm_modulate"],
+            counters["h3_fused"]["gate_residual"]) == (1, 1, 1)
+    blocks = model.config.num_layers
+    assert sum(1 for e in prof.events() if "modulation_kernel" in e.name) == 3 * blocks
+    err = (got - expected).abs().max().item()
+    print(f"diffusers {policy}: max|h3_fused - eager| = {err:.3e}, "
+          f"bit-identical share {(got == expected).float().mean().item():.6f}")
+    torch.testing.assert_close(got, expected, rtol=0.05, atol=0.05 * expected.abs().max().item())
