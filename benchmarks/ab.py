@@ -31,15 +31,18 @@ from sites import (
 from timing import alternating_medians, relative_times, write_results
 
 
-def configurations(site: str, tokens: int, hidden: int) -> dict:
-    """Named launch configurations: the shipped one, ``w{2,4,8}`` (one 16-byte vector per thread and chunk on that
-    many warps), each also with ``_preload`` (table chunks one early), and any of them with ``_warm`` (warming
-    programs first) or ``_nowarm`` (no warming of coming rows)."""
+def configurations(site: str, tokens: int, hidden: int, policy: str) -> dict:
+    """Named launch configurations under ``policy``: the shipped one, ``w{2,4,8}`` (one 16-byte vector per thread
+    and chunk on that many warps; chunks of at most 512 columns where the norm's sum takes eager's order), each
+    also with ``_preload`` (table chunks one early), and any of them with ``_warm`` (warming programs first) or
+    ``_nowarm`` (no warming of coming rows)."""
     from h3_fused.kernels.launch import LaunchConfig
 
-    named = {"shipped": shipped_launch_config(site, hidden, tokens)}
+    named = {"shipped": shipped_launch_config(site, hidden, tokens, policy)}
+    widest = named["shipped"].chunk if policy == "bf16" and site != "C" else None
     for warps, preload in itertools.product((2, 4, 8), (False, True)):
-        named[f"w{warps}" + "_preload" * preload] = LaunchConfig(1, 32 * warps * 8, warps, preload)
+        chunk = min(32 * warps * 8, widest or 32 * warps * 8)
+        named[f"w{warps}" + "_preload" * preload] = LaunchConfig(1, chunk, warps, preload)
     for name, config in list(named.items()):
         named[f"{name}_warm"] = dataclasses.replace(config, warm_tables_first=True)
         named[f"{name}_nowarm"] = dataclasses.replace(config, warm_rows_ahead=0, warm_tables_first=False)
@@ -77,12 +80,12 @@ def main():
     for case, layout in itertools.product(args.cases, args.index):
         site, tokens = case.split(":")
         tokens = int(tokens)
-        configs = configurations(site, tokens, args.hidden)
-        unknown = set(args.configs) - set(configs)
-        if unknown:
-            parser.error(f"unknown configurations {sorted(unknown)}; known: {sorted(configs)}")
         inputs = make_inputs(site, tokens, args.hidden, index_layout=layout)
         for policy in args.policies:
+            configs = configurations(site, tokens, args.hidden, policy)
+            unknown = set(args.configs) - set(configs)
+            if unknown:
+                parser.error(f"unknown configurations {sorted(unknown)}; known: {sorted(configs)}")
             runs, outputs = variants(site, inputs, policy, args.configs, configs, baseline, args.no_index_check)
             agree = calls_agree(list(runs.values()), outputs)
             medians = alternating_medians(runs, args.rounds, args.flush)

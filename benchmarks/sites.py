@@ -112,12 +112,17 @@ def kernel_launch(site: str, inputs: dict, policy: str, wrap=lambda kernel: kern
     return launch
 
 
-def shipped_launch_config(site: str, hidden: int, rows: int | None):
+def shipped_launch_config(site: str, hidden: int, rows: int | None, policy: str):
     """The configuration ``launch_config`` picks for ``site`` (A: a norm; B: a gate and a norm; C: a gate) at
-    ``hidden`` columns and ``rows`` rows (None: a symbolic count)."""
-    from h3_fused.kernels.launch import launch_config
+    ``hidden`` columns and ``rows`` rows (None: a symbolic count) under ``policy`` for bf16 tables and the
+    ``nn.RMSNorm`` spelling (under ``bf16`` the norm's squares add in eager's order)."""
+    from h3_fused.kernels.contract import rounding_for
+    from h3_fused.kernels.launch import eager_norm_sum, launch_config
 
-    return launch_config(hidden, site != "A", site != "C", rows)
+    gate, norm = site != "A", site != "C"
+    rounding = rounding_for(policy, torch.bfloat16, torch.bfloat16 if gate else None, torch.bfloat16 if norm else None,
+                            norm_rounds_before_weight=False, upcast_tables=False)
+    return launch_config(hidden, gate, norm, rows, eager_norm_sum(rounding, hidden, norm))
 
 
 def identical_outputs(outputs, others) -> bool:

@@ -26,6 +26,11 @@ class Rounding:
     activation dtype (bf16/fp16) the stored residual is the exact sum rounded once to it
     (``reference.sum_rounded_once``); with an fp32 gate table, the sum rounded to fp32 and then to ``A``.
     The affine is an fp32 FMA, as the upstream fp32 kernels compile it.
+    norm_sum_in_eager_order: the norm's fp32 sum of squares adds in the order of the eager kernel that the
+    spelling runs on CUDA, and its mean divides by ``H`` as that kernel does, so that ``r`` is eager's bit for
+    bit: ``nn.RMSNorm`` and ``F.rms_norm`` (one rounding, ``norm_before_weight`` false) run torch's fused
+    RMSNorm kernel, whose order the forward kernel reproduces where that kernel takes its vectorized path
+    (``H`` a multiple of 4). Elsewhere the sum's order is the kernel's own (any order is within ``fp32``).
 
     The backward rounds the activation gradients where eager's autograd of the same graph rounds them,
     which the same fields decide (``dy``, ``du`` are the incoming gradients of ``y`` and ``u``, ``xhat = u*r``):
@@ -43,8 +48,8 @@ class Rounding:
       with ``norm_before_weight``), accumulated in fp32 in a fixed order and rounded once to the
       parameter's dtype, under both policies (eager sums them in the parameter's dtype, by atomics on CUDA).
 
-    Where eager's order of the norm backward's fp32 sum differs from ours, ``du_n`` may differ in the last
-    place of ``A``, as ``y`` may in the forward.
+    Where eager's order of the norm backward's fp32 sums differs from ours, ``du_n`` may differ in the last
+    place of ``A``, as ``y`` may in the forward where ``norm_sum_in_eager_order`` does not hold.
     """
 
     gate_product: bool
@@ -52,6 +57,7 @@ class Rounding:
     norm_before_weight: bool
     affine: bool
     fused_multiply_add: bool = False
+    norm_sum_in_eager_order: bool = False
 
 
 def rounding_for(policy: str, activation: torch.dtype, gate_table: torch.dtype | None,
@@ -60,11 +66,13 @@ def rounding_for(policy: str, activation: torch.dtype, gate_table: torch.dtype |
     """The rounding points of the eager graph under ``bf16``; only the stored ones under ``fp32``."""
     if policy == "fp32":
         return Rounding(False, False, False, False, fused_multiply_add=True)
+    eager_sum = not norm_rounds_before_weight
     if activation in (torch.float32, torch.float64):  # nothing to round to
-        return Rounding(False, False, False, False)
+        return Rounding(False, False, False, False, norm_sum_in_eager_order=eager_sum)
 
     def low(table):
         return table is not None and table == activation and not upcast_tables
 
     return Rounding(gate_product=low(gate_table), norm_output=True,
-                    norm_before_weight=norm_rounds_before_weight, affine=low(mod_table))
+                    norm_before_weight=norm_rounds_before_weight, affine=low(mod_table),
+                    norm_sum_in_eager_order=eager_sum)

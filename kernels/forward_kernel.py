@@ -6,14 +6,16 @@ Per row ``t`` (``i = index[t]``, arithmetic in fp32 unless said below, ``R`` = r
     site B/C:  g = gate[i] * branch            (R if ROUND_GATE)
                u = R(residual + g)             -> stored (B, C; one FMA with the product if FUSE_MULTIPLY_ADD)
     site A:    u = x
-    site A/B:  r = rsqrt(sum(u*u) * (1/H) + eps)
+    site A/B:  r = rsqrt(sum(u*u) * (1/H) + eps)  (EAGER_NORM_SUM: rsqrt(sum(u*u) / H + eps), the sum in
+                                               the order of torch's fused RMSNorm kernel, ``_add_squares_in_eager_order``)
                n = u * r                       (R if ROUND_NORM_BEFORE_WEIGHT, then * w if HAS_WEIGHT)
                n = R(n) if ROUND_NORM
                p = 1 + scale[i]                (R if ROUND_AFFINE)
                q = n * p                       (R if ROUND_AFFINE; fused with the add if FUSE_MULTIPLY_ADD)
                y = R(q + shift[i])             -> stored (A, B)
 
-The ``ROUND_*`` and ``FUSE_MULTIPLY_ADD`` flags are ``contract.Rounding``'s fields, one for one.
+The ``ROUND_*``, ``FUSE_MULTIPLY_ADD`` and ``EAGER_NORM_SUM`` flags are ``contract.Rounding``'s fields, one
+for one.
 
 Each program holds ``BLOCK_T`` whole rows in registers, read in chunks of ``CHUNK`` columns; the chunks
 of ``u`` stay in registers (in the activation dtype) from the sum of squares to the modulation. Each
@@ -192,6 +194,49 @@ def _modulated(
 
 
 @triton.jit
+def _add_squares_in_eager_order(partial, u):
+    """``partial`` plus the squares of chunk ``u`` (``[BLOCK_T, CHUNK]`` fp32, ``CHUNK`` a multiple of 4 and at
+    most 512), in the order of torch's fused RMSNorm CUDA kernel (``_fused_rms_norm``: the vectorized layer-norm
+    kernel with ``rms_norm``). That kernel gives a row 128 threads; thread ``t`` reads the 4-element vectors
+    ``t, t + 128, ...`` of the row and adds each vector's squares, in order, to its own fp32 sum by FMA.
+    ``partial`` (``[BLOCK_T, CHUNK // 4]``) holds those sums, one per thread, after the chunks before this one:
+    with ``CHUNK = 512`` a chunk is one vector of each thread (a shorter row fits one chunk; the threads
+    beyond it add nothing)."""
+    BT: tl.constexpr = u.shape[0]
+    THREADS: tl.constexpr = u.shape[1] // 4
+    even, odd = tl.split(tl.reshape(u, [BT, THREADS, 2, 2]))  # each thread's elements 0, 2 and 1, 3
+    v0, v2 = tl.split(even)
+    v1, v3 = tl.split(odd)
+    partial = tl.fma(v0, v0, partial)
+    partial = tl.fma(v1, v1, partial)
+    partial = tl.fma(v2, v2, partial)
+    return tl.fma(v3, v3, partial)
+
+
+@triton.jit
+def _eager_order_total(partial):
+    """The row sums of the per-thread sums ``partial`` (``[BLOCK_T, THREADS]``, ``THREADS`` a power of 2 up to
+    128) in the order of torch's fused RMSNorm kernel: within each warp of 32 threads a shuffle-down tree
+    (thread ``l`` adds thread ``l + 16``, then ``l + 8``, ... ``l + 1``), then across its 4 warps a tree in
+    shared memory (warp ``w`` adds warp ``w + 2``, then warp 0 adds warp 1). Each step adds two values, so
+    the adds are eager's; threads the row does not reach hold 0, and adding 0 changes nothing, so a row of
+    fewer threads takes the same tree over the threads it has."""
+    BT: tl.constexpr = partial.shape[0]
+    THREADS: tl.constexpr = partial.shape[1]
+    WARPS: tl.constexpr = (THREADS + 31) // 32
+    LANES: tl.constexpr = THREADS // WARPS
+    sums = tl.reshape(partial, [BT, WARPS, LANES])
+    for step in tl.static_range(5):
+        if (LANES >> (step + 1)) > 0:
+            sums = tl.sum(tl.reshape(sums, [BT, WARPS, 2, LANES >> (step + 1)]), 2)
+    sums = tl.reshape(sums, [BT, WARPS])
+    for step in tl.static_range(2):
+        if (WARPS >> (step + 1)) > 0:
+            sums = tl.sum(tl.reshape(sums, [BT, 2, WARPS >> (step + 1)]), 1)
+    return tl.reshape(sums, [BT])
+
+
+@triton.jit
 def _touch_table_rows(program, w_ptr, shift_ptr, scale_ptr, gate_ptr, num_table_rows, stride_shift, stride_scale,
                       stride_gate, HIDDEN: tl.constexpr, HAS_GATE: tl.constexpr, HAS_NORM: tl.constexpr,
                       HAS_WEIGHT: tl.constexpr, WARMING_LANES: tl.constexpr):
@@ -230,10 +275,12 @@ def _modulate_rows(
     stride_x, stride_res, stride_branch, stride_gate, stride_shift, stride_scale,
     HIDDEN: tl.constexpr, HAS_GATE: tl.constexpr, HAS_NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr,
     ROUND_GATE: tl.constexpr, ROUND_NORM: tl.constexpr, ROUND_NORM_BEFORE_WEIGHT: tl.constexpr,
-    ROUND_AFFINE: tl.constexpr, FUSE_MULTIPLY_ADD: tl.constexpr, INTERPRETED: tl.constexpr, BLOCK_T: tl.constexpr,
-    CHUNK: tl.constexpr, PRELOAD_TABLE_CHUNKS: tl.constexpr, WARM_ROWS_AHEAD: tl.constexpr, WARMING_LANES: tl.constexpr,
+    ROUND_AFFINE: tl.constexpr, FUSE_MULTIPLY_ADD: tl.constexpr, EAGER_NORM_SUM: tl.constexpr, INTERPRETED: tl.constexpr,
+    BLOCK_T: tl.constexpr, CHUNK: tl.constexpr, PRELOAD_TABLE_CHUNKS: tl.constexpr, WARM_ROWS_AHEAD: tl.constexpr,
+    WARMING_LANES: tl.constexpr,
 ):
     """The rows of program ``program`` (int64), counting the programs of rows."""
+    tl.static_assert(CHUNK <= 512 or not EAGER_NORM_SUM, "eager's order of the norm's sum takes chunks of <= 512")
     rows = program * BLOCK_T + tl.arange(0, BLOCK_T)
     row_ok = rows < n_rows
     idx = tl.load(idx_ptr + rows, mask=row_ok, other=0).to(tl.int64)
@@ -242,7 +289,7 @@ def _modulate_rows(
     idx = tl.where(bad, 0, idx)  # every load reads in bounds, whatever the index
 
     kept = ()  # the row's chunks of u, in the activation dtype (exact: u is rounded to it or loaded in it)
-    squares = tl.zeros([BLOCK_T, CHUNK], tl.float32)
+    squares = tl.zeros([BLOCK_T, CHUNK // 4 if EAGER_NORM_SUM else CHUNK], tl.float32)
     for c in tl.static_range(triton.cdiv(HIDDEN, CHUNK)):
         lanes, mask = _chunk(c, row_ok, CHUNK, HIDDEN)
         u = _new_residual(x_ptr, res_ptr, branch_ptr, gate_ptr, u_ptr, rows, idx, zero, c * CHUNK, lanes, mask,
@@ -250,7 +297,10 @@ def _modulate_rows(
                           FUSE_MULTIPLY_ADD, INTERPRETED)
         if HAS_NORM:
             wide = widened(u)
-            squares += wide * wide
+            if EAGER_NORM_SUM:
+                squares = _add_squares_in_eager_order(squares, wide)
+            else:
+                squares += wide * wide
         kept = kept + (u,)
     tables = (0.0, 0.0, 0.0)
     if HAS_NORM and PRELOAD_TABLE_CHUNKS and HAS_GATE:  # site B: arriving while the row is reduced (after the check: slower)
@@ -269,7 +319,10 @@ def _modulate_rows(
                                CHUNK, HAS_WEIGHT)
     if HAS_NORM:
         # fp32 constants and scalars (Inductor may pass eps as a constexpr float, which computes in fp64)
-        mean_square = tl.sum(squares, axis=1) * tl.cast(1.0 / HIDDEN, tl.float32)
+        if EAGER_NORM_SUM:  # eager divides by H
+            mean_square = tl.math.div_rn(_eager_order_total(squares), tl.cast(HIDDEN, tl.float32))
+        else:
+            mean_square = tl.sum(squares, axis=1) * tl.cast(1.0 / HIDDEN, tl.float32)
         r = rsqrt(mean_square + tl.cast(eps, tl.float32), INTERPRETED)
         chunks: tl.constexpr = triton.cdiv(HIDDEN, CHUNK)
         for c in tl.static_range(chunks):
@@ -294,9 +347,9 @@ def modulation_kernel(
     stride_x, stride_res, stride_branch, stride_gate, stride_shift, stride_scale,
     HIDDEN: tl.constexpr, HAS_GATE: tl.constexpr, HAS_NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr,
     ROUND_GATE: tl.constexpr, ROUND_NORM: tl.constexpr, ROUND_NORM_BEFORE_WEIGHT: tl.constexpr,
-    ROUND_AFFINE: tl.constexpr, FUSE_MULTIPLY_ADD: tl.constexpr, INTERPRETED: tl.constexpr, BLOCK_T: tl.constexpr,
-    CHUNK: tl.constexpr, PRELOAD_TABLE_CHUNKS: tl.constexpr, WARM_ROWS_AHEAD: tl.constexpr, WARM_TABLES_FIRST: tl.constexpr,
-    WARMING_LANES: tl.constexpr,
+    ROUND_AFFINE: tl.constexpr, FUSE_MULTIPLY_ADD: tl.constexpr, EAGER_NORM_SUM: tl.constexpr, INTERPRETED: tl.constexpr,
+    BLOCK_T: tl.constexpr, CHUNK: tl.constexpr, PRELOAD_TABLE_CHUNKS: tl.constexpr, WARM_ROWS_AHEAD: tl.constexpr,
+    WARM_TABLES_FIRST: tl.constexpr, WARMING_LANES: tl.constexpr,
 ):
     program = tl.program_id(0).to(tl.int64)  # int64 throughout: no int32 overflow checks under debug=True
     warming: tl.constexpr = 0
@@ -310,5 +363,5 @@ def modulation_kernel(
         _modulate_rows(program - warming, x_ptr, res_ptr, branch_ptr, gate_ptr, w_ptr, shift_ptr, scale_ptr, idx_ptr,
                        u_ptr, y_ptr, n_rows, num_table_rows, eps, stride_x, stride_res, stride_branch, stride_gate,
                        stride_shift, stride_scale, HIDDEN, HAS_GATE, HAS_NORM, HAS_WEIGHT, ROUND_GATE, ROUND_NORM,
-                       ROUND_NORM_BEFORE_WEIGHT, ROUND_AFFINE, FUSE_MULTIPLY_ADD, INTERPRETED, BLOCK_T, CHUNK,
-                       PRELOAD_TABLE_CHUNKS, WARM_ROWS_AHEAD, WARMING_LANES)
+                       ROUND_NORM_BEFORE_WEIGHT, ROUND_AFFINE, FUSE_MULTIPLY_ADD, EAGER_NORM_SUM, INTERPRETED,
+                       BLOCK_T, CHUNK, PRELOAD_TABLE_CHUNKS, WARM_ROWS_AHEAD, WARMING_LANES)

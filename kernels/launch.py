@@ -52,9 +52,20 @@ class LaunchConfig:
         return self.block_t * self.chunk // 8
 
 
-def launch_config(hidden: int, has_gate: bool, has_norm: bool, rows: int | None) -> LaunchConfig:
+def eager_norm_sum(rounding: Rounding, hidden: int, has_norm: bool) -> bool:
+    """Whether the kernel sums the norm's squares in eager's order (``EAGER_NORM_SUM``): where the rounding
+    contract asks for it and eager's kernel is the one reproduced (its vectorized path: ``H`` a multiple of 4)."""
+    return has_norm and rounding.norm_sum_in_eager_order and hidden % 4 == 0
+
+
+def launch_config(hidden: int, has_gate: bool, has_norm: bool, rows: int | None,
+                  eager_sum: bool = False) -> LaunchConfig:
     """Whole rows in registers, read in chunks of one 16-byte vector per thread (8 bf16), so that only the
     last chunk pads ``H``; one row per program (rows shorter than the program's lanes share it).
+
+    Where the norm's squares add in eager's order (``eager_sum``, see ``eager_norm_sum``), chunks of 512
+    columns (or the padded row, if shorter) on 4 warps: one 4-element vector per thread, each thread's the
+    vector eager's thread of the same number reads, so that the order costs no exchange between threads.
 
     - Warps: 8 for site C, for site B up to ``FEW_ROWS`` rows and for site A up to ``FEWEST_ROWS`` rows;
       4 beyond, where more programs resident per SM win; never fewer than ``MIN_WARPS``.
@@ -78,6 +89,8 @@ def launch_config(hidden: int, has_gate: bool, has_norm: bool, rows: int | None)
     per_thread = 32 if more_warps else 64
     num_warps = max(MIN_WARPS, min(16, block_t * padded // (32 * per_thread)))
     chunk = min(padded, max(1, 32 * num_warps * 8 // block_t))  # the quotient is 0 at H = 1
+    if eager_sum:
+        num_warps, chunk = MIN_WARPS, min(padded, 512)
     preload = has_norm and (has_gate or hidden > SITE_A_NARROW_H or at_most(SITE_A_FEW_ROWS))
     return LaunchConfig(block_t, chunk, num_warps, preload, warm_tables_first=has_norm and not has_gate)
 
@@ -108,7 +121,8 @@ def specialisation(hidden: int, has_gate: bool, has_norm: bool, has_weight: bool
         HIDDEN=hidden, HAS_GATE=has_gate, HAS_NORM=has_norm, HAS_WEIGHT=has_weight,
         ROUND_GATE=rounding.gate_product, ROUND_NORM=rounding.norm_output,
         ROUND_NORM_BEFORE_WEIGHT=rounding.norm_before_weight, ROUND_AFFINE=rounding.affine,
-        FUSE_MULTIPLY_ADD=rounding.fused_multiply_add, INTERPRETED=interpreted, BLOCK_T=config.block_t,
+        FUSE_MULTIPLY_ADD=rounding.fused_multiply_add, EAGER_NORM_SUM=eager_norm_sum(rounding, hidden, has_norm),
+        INTERPRETED=interpreted, BLOCK_T=config.block_t,
         CHUNK=config.chunk,
         PRELOAD_TABLE_CHUNKS=config.preload_table_chunks and has_norm,  # no tables without a norm: one build of C
         WARM_ROWS_AHEAD=config.warm_rows_ahead, WARM_TABLES_FIRST=config.warm_tables_first,
@@ -131,7 +145,8 @@ def launch_modulation(a: ModulationArgs, u: torch.Tensor | None, y: torch.Tensor
     """
     if config is None:
         config = launch_config(a.hidden, a.gate is not None, a.scale is not None,
-                               a.rows if isinstance(a.rows, int) else None)
+                               a.rows if isinstance(a.rows, int) else None,
+                               eager_norm_sum(a.rounding, a.hidden, a.scale is not None))
     rows_alias = a.x if a.x is not None else a.residual
     table_alias = a.gate if a.gate is not None else a.scale
 

@@ -34,7 +34,7 @@ def compile_site(site: str, policy: str, hidden: int, config=None, index: str = 
     Triton type ``index`` (``"i64"`` or ``"i32"``); ``constants``: scalar arguments made constants, as
     Triton does with a value of 1 (e.g. ``{"n_rows": 1}``)."""
     gate, norm = site in "BC", site in "AB"
-    config = config or shipped_launch_config(site, hidden, None)
+    config = config or shipped_launch_config(site, hidden, None, policy)
     r = rounding_for(policy, torch.bfloat16, torch.bfloat16 if gate else None, torch.bfloat16 if norm else None,
                      norm_rounds_before_weight=False, upcast_tables=False)
     constants = specialisation(hidden, gate, norm, norm, r, config, interpreted=False) | (constants or {})

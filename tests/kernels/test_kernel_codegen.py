@@ -22,8 +22,9 @@ HIDDEN = 5376
 ROW_COUNTS = pytest.mark.parametrize("rows", [None, 1], ids=["many_rows", "few_rows"])
 
 
-def ptx_ops(site: str, policy: str, rows: int | None) -> list[str]:
-    ptx = compile_site(site, policy, HIDDEN, shipped_launch_config(site, HIDDEN, rows)).asm["ptx"]
+def ptx_ops(site: str, policy: str, rows: int | None, constants=None) -> list[str]:
+    ptx = compile_site(site, policy, HIDDEN, shipped_launch_config(site, HIDDEN, rows, policy),
+                       constants=constants).asm["ptx"]
     return re.findall(r"^\s+((?:fma|mul|add)\.[\w.]+)", ptx, re.M)
 
 
@@ -39,14 +40,18 @@ def test_bf16_policy_never_fuses_a_product_into_an_add(site, rows):
 @pytest.mark.parametrize("site", ["A", "B", "C"])
 def test_fp32_policy_fuses_its_multiply_adds(site, rows):
     """Under ``fp32`` the gated residual ``res + gate*branch`` (sites B, C) is one bf16 FMA per element
-    (the exact sum rounded once, as stored), and the affine ``n*p + shift`` (sites A, B) fp32 FMAs."""
-    fp32_ops, bf16_ops = ptx_ops(site, "fp32", rows), ptx_ops(site, "bf16", rows)
+    (the exact sum rounded once, as stored), and the affine ``n*p + shift`` (sites A, B) fp32 FMAs: at least one
+    per element of a thread's rows more than in the same build with ``FUSE_MULTIPLY_ADD`` off."""
+    fp32_ops = ptx_ops(site, "fp32", rows)
     bf16_fmas = [op for op in fp32_ops if op.startswith("fma.rn.bf16")]
     assert bool(bf16_fmas) == (site != "A")
     if site == "C":  # nothing else: no product or sum of its own
         assert not [op for op in fp32_ops if op.startswith(("mul.f", "add.f", "mul.bf16", "add.bf16"))]
     else:
-        assert fp32_ops.count("fma.rn.f32") > bf16_ops.count("fma.rn.f32")
+        config = shipped_launch_config(site, HIDDEN, rows, "fp32")
+        per_thread = -(-HIDDEN // config.chunk) * config.chunk * config.block_t // (32 * config.num_warps)
+        unfused = ptx_ops(site, "fp32", rows, constants={"FUSE_MULTIPLY_ADD": False})
+        assert fp32_ops.count("fma.rn.f32") - unfused.count("fma.rn.f32") >= per_thread
 
 
 @ROW_COUNTS
@@ -56,7 +61,7 @@ def test_bf16_values_widen_through_their_bits(site, policy, rows):
     """No ``cvt.f32.bf16``: every bf16 value is widened to fp32 on its bits (``_widened``: an AND of the
     packed pair's register for the high half, a shift for the low one; ptxas makes the conversion of a
     high half two instructions), or LLVM narrows its arithmetic to packed bf16 and never widens it."""
-    ptx = compile_site(site, policy, HIDDEN, shipped_launch_config(site, HIDDEN, rows)).asm["ptx"]
+    ptx = compile_site(site, policy, HIDDEN, shipped_launch_config(site, HIDDEN, rows, policy)).asm["ptx"]
     assert "cvt.f32.bf16" not in ptx
     if site != "C":
         assert re.search(r"and\.b32\s+%r\d+, %r\d+, -65536;", ptx), "expected the high halves widened by a mask"
@@ -68,6 +73,6 @@ def test_every_build_compiles_with_the_counts_as_constants(site, rows):
     """The row and table-row counts may arrive as constants: Triton makes an argument of value 1 one (a
     single row, or a single table row), and Inductor's analysis of the kernel on torch 2.11 passes them so.
     The kernel must not call tensor methods such as ``.to`` on them (an earlier draft of site A's warming programs did)."""
-    config = shipped_launch_config(site, HIDDEN, rows)
+    config = shipped_launch_config(site, HIDDEN, rows, "bf16")
     for constants in ({"n_rows": 1}, {"num_table_rows": 1}, {"n_rows": 1, "num_table_rows": 1}):
         assert compile_site(site, "bf16", HIDDEN, config, constants=constants).asm["ptx"]

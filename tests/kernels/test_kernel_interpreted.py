@@ -82,7 +82,7 @@ def test_fp32_gated_residual_rounds_once(dtype):
     assert_fp32_gated_residual_rounds_once(dtype)
 
 
-@pytest.mark.parametrize("policy, preload, weighted", itertools.product(("bf16", "fp32"), (False, True), (True, False)))
+@pytest.mark.parametrize("policy, preload, weighted", list(itertools.product(("bf16", "fp32"), (False, True), (True, False))))
 def test_rows_read_in_chunks(policy, preload, weighted):
     """Rows read in 32-column chunks (H = 101: four chunks, the last one 5 columns wide), the table chunks
     loaded just before their use and one chunk early, with and without a weight."""

@@ -73,7 +73,7 @@ class _Captured:
 def test_inductor_sees_writes_to_the_outputs_only(hopper_target, site, policy, rows, table_rows):
     captured = _Captured()
     launch = kernel_launch(site, make_inputs(site, 4, HIDDEN, table_rows, device="cpu"), policy, wrap=captured,
-                           config=shipped_launch_config(site, HIDDEN, rows))
+                           config=shipped_launch_config(site, HIDDEN, rows, policy))
     launch()
     tensors = {name: v for name, v in captured.arguments.items() if isinstance(v, torch.Tensor)}
     constants = {name: v for name, v in captured.arguments.items() if name not in tensors}

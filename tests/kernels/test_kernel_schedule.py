@@ -51,7 +51,7 @@ def activation_loads_before_index_wait(sass: list[str], index_load: str) -> tupl
 @pytest.mark.parametrize("rows", [None, 1, 3072], ids=["many_rows", "one_row", "rows_3072"])
 @pytest.mark.parametrize("policy", ["bf16", "fp32"])
 def test_no_activation_load_of_site_a_waits_for_the_index(policy, rows, index, index_load):
-    kernel = compile_site("A", policy, HIDDEN, shipped_launch_config("A", HIDDEN, rows), index=index)
+    kernel = compile_site("A", policy, HIDDEN, shipped_launch_config("A", HIDDEN, rows, policy), index=index)
     before, total, waiting = activation_loads_before_index_wait(instructions(kernel.asm["cubin"]), index_load)
     assert total > 0, "no activation load found"
     assert before == total, f"{total - before} of {total} activation loads wait for the index ({waiting!r} first)"

@@ -27,17 +27,28 @@ def test_bf16_policy_matches_eager_at_real_size(site, tokens):
 
 
 def _assert_bf16_policy_matches_eager(site, got, ref):
+    """Bit for bit, every element: the norm's sum of squares adds in the order of eager's fused RMSNorm kernel."""
     if site == "B":
         assert torch.equal(got[0], ref[0]), "the stored residual must be bit-identical"
-        assert _diff(got[1], ref[1]) <= 1e-5
-    elif site == "C":
-        assert torch.equal(got, ref)
+        assert torch.equal(got[1], ref[1]), f"y differs on {_diff(got[1], ref[1]):.2e} of its elements"
     else:
-        assert _diff(got, ref) <= 1e-5
+        assert torch.equal(got, ref), f"differs on {_diff(got, ref):.2e} of its elements"
 
 
-@pytest.mark.parametrize("hidden", [1, 64, 101, 200, 4097, 5376, 16384])
-def test_bf16_policy_non_power_of_two_hidden(hidden):
+@pytest.mark.parametrize("tokens", [4096])
+@pytest.mark.parametrize("hidden", [4, 64, 128, 200, 256, 1024, 2048, 3072, 4100, 5120, 16384])
+@pytest.mark.parametrize("site", ["A", "B"])
+def test_bf16_policy_matches_eager_at_other_widths(site, hidden, tokens):
+    """Every width eager's fused RMSNorm kernel takes its vectorized path at (``H`` a multiple of 4): rows of
+    fewer than 128 vectors (a head's q/k norm at 128), of several chunks, and with a partial last chunk."""
+    inputs = make_inputs(site, tokens, hidden, seed=hidden)
+    _assert_bf16_policy_matches_eager(site, fused_site(site, "bf16")(**inputs), eager_site(site)(**inputs))
+
+
+@pytest.mark.parametrize("hidden", [1, 101, 4097])
+def test_bf16_policy_at_widths_eager_reduces_otherwise(hidden):
+    """At ``H`` not a multiple of 4 eager's RMSNorm takes another kernel, whose order the fused kernel does not
+    reproduce: the residual bit for bit, ``y`` within the last place on a few elements."""
     inputs = make_inputs("B", 257, hidden)
     ref_u, ref_y = eager_site("B")(**inputs)
     u, y = fused_site("B", "bf16")(**inputs)
