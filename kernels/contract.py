@@ -48,8 +48,8 @@ class Rounding:
       with ``norm_before_weight``), accumulated in fp32 in a fixed order and rounded once to the
       parameter's dtype, under both policies (eager sums them in the parameter's dtype, by atomics on CUDA).
 
-    Where eager's order of the norm backward's fp32 sums differs from ours, ``du_n`` may differ in the last
-    place of ``A``, as ``y`` may in the forward where ``norm_sum_in_eager_order`` does not hold.
+    The backward recomputes ``r`` and sums ``mean(dxhat * xhat)`` in its own order (``norm_sum_in_eager_order``
+    is the forward's): where that order differs from eager's, ``du_n`` may differ in the last place of ``A``.
     """
 
     gate_product: bool

@@ -280,7 +280,6 @@ def _modulate_rows(
     WARMING_LANES: tl.constexpr,
 ):
     """The rows of program ``program`` (int64), counting the programs of rows."""
-    tl.static_assert(CHUNK <= 512 or not EAGER_NORM_SUM, "eager's order of the norm's sum takes chunks of <= 512")
     rows = program * BLOCK_T + tl.arange(0, BLOCK_T)
     row_ok = rows < n_rows
     idx = tl.load(idx_ptr + rows, mask=row_ok, other=0).to(tl.int64)

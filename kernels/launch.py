@@ -22,6 +22,7 @@ FEW_ROWS = 6144  # up to this many rows site B runs on 8 warps
 SITE_A_NARROW_H = 2048  # up to this H site A preloads its table chunks only up to SITE_A_FEW_ROWS rows
 SITE_A_FEW_ROWS = 16384
 MIN_WARPS = 4  # the fewest warps a program runs on
+EAGER_SUM_CHUNK = 512  # columns per chunk where the norm's squares add in eager's order: 128 threads x 4
 WARM_ROWS_AHEAD = 1024  # each program warms L2 with the table rows of the row this many rows on
 WARM_TABLES_MAX_BYTES = 4 << 20  # tables larger than this are not warmed as the kernel starts
 
@@ -90,7 +91,7 @@ def launch_config(hidden: int, has_gate: bool, has_norm: bool, rows: int | None,
     num_warps = max(MIN_WARPS, min(16, block_t * padded // (32 * per_thread)))
     chunk = min(padded, max(1, 32 * num_warps * 8 // block_t))  # the quotient is 0 at H = 1
     if eager_sum:
-        num_warps, chunk = MIN_WARPS, min(padded, 512)
+        num_warps, chunk = MIN_WARPS, min(padded, EAGER_SUM_CHUNK)
     preload = has_norm and (has_gate or hidden > SITE_A_NARROW_H or at_most(SITE_A_FEW_ROWS))
     return LaunchConfig(block_t, chunk, num_warps, preload, warm_tables_first=has_norm and not has_gate)
 
@@ -156,6 +157,9 @@ def launch_modulation(a: ModulationArgs, u: torch.Tensor | None, y: torch.Tensor
     def table_or_alias(t):
         return table_alias if t is None else t
 
+    if eager_norm_sum(a.rounding, a.hidden, a.scale is not None) and config.chunk > EAGER_SUM_CHUNK:
+        raise ValueError(f"config.chunk={config.chunk}: where the norm's squares add in eager's order a chunk holds "
+                         f"at most {EAGER_SUM_CHUNK} columns")
     x, res, branch = rows_or_alias(a.x), rows_or_alias(a.residual), rows_or_alias(a.branch)
     gate, shift, scale = table_or_alias(a.gate), table_or_alias(a.shift), table_or_alias(a.scale)
     warming = warming_program_count(a, config.warming_lanes) if config.warm_tables_first else 0

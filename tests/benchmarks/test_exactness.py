@@ -25,7 +25,7 @@ def test_exactness_writes_a_row_per_case_and_a_trajectory_row_per_variant(tmp_pa
     assert {(r["mode"], r["variant"]) for r in forward} == {
         (mode, variant) for mode in ("regional", "whole") for variant in ("h3_fused_bf16", "inductor_epc")}
     for row in rows:
-        assert KEYS <= set(row)
+        assert set(row) >= KEYS
         assert row["outputs_equal"] == (row["mismatch"] == 0) and 0 <= row["mismatch"] <= 1
     trajectories = [r for r in rows if r["kind"] == "trajectory"]
     assert len(trajectories) == 2 and all(len(r["mismatch_per_step"]) == 2 for r in trajectories)

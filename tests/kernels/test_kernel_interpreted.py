@@ -11,9 +11,12 @@ import itertools
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from exact_rounding import assert_fp32_gated_residual_rounds_once
 from h3_fused.kernels import gate_norm_modulate, gate_residual, launch, norm_modulate
 from h3_fused.kernels.arguments import check_args
+from h3_fused.kernels.forward_kernel import _add_squares_in_eager_order, _eager_order_total
 from h3_fused.kernels.reference import reference_modulation
 
 pytestmark = pytest.mark.interpreted
@@ -125,10 +128,58 @@ def test_warming_table_rows_changes_no_result(hidden, tokens):
                  C=dict(residual=x, branch=br, gate=t[2], index=idx))
     for (name, kwargs), policy in itertools.product(sites.items(), ("bf16", "fp32")):
         a = check_args(**kwargs, policy=policy, has_norm="scale" in kwargs)
-        shipped = launch.launch_config(a.hidden, a.gate is not None, a.scale is not None, a.rows)
+        shipped = launch.launch_config(a.hidden, a.gate is not None, a.scale is not None, a.rows,
+                                       launch.eager_norm_sum(a.rounding, a.hidden, a.scale is not None))
         plain = launched(dataclasses.replace(shipped, warm_rows_ahead=0, warm_tables_first=False), **kwargs,
                          policy=policy)
         for ahead, first in ((1, False), (2, False), (7, False), (0, True), (1, True)):
             config = dataclasses.replace(shipped, warm_rows_ahead=ahead, warm_tables_first=first)
             got = launched(config, **kwargs, policy=policy)
             assert all(g is None or torch.equal(g, p) for g, p in zip(got, plain)), (name, policy, ahead, first)
+
+
+def eager_fused_rms_norm_sum(x: torch.Tensor) -> torch.Tensor:
+    """Per row of ``x`` (``[T, H]``, H a multiple of 4), the fp32 sum of squares in the order of torch's fused
+    RMSNorm CUDA kernel, one fp32 add at a time: thread ``t`` of 128 adds the squares of its vectors
+    ``t, t + 128, ...`` of 4, in order; a shuffle-down tree over each warp's 32 threads; warp 0 + 2 and 1 + 3,
+    then the two. (The squares of bf16 values are exact in fp32, so FMA or not makes no difference.)"""
+    rows, hidden = x.shape
+    squares = x.float().square()
+    vectors = torch.zeros(rows, -(-hidden // 512) * 128, 4)
+    vectors.view(rows, -1)[:, :hidden] = squares
+    per_thread = torch.zeros(rows, 128)
+    for j in range(vectors.shape[1] // 128):
+        for i in range(4):
+            per_thread = per_thread + vectors[:, j * 128:(j + 1) * 128, i]
+    warps = per_thread.view(rows, 4, 32)
+    for offset in (16, 8, 4, 2, 1):
+        warps = warps[..., :offset] + warps[..., offset:2 * offset]
+    warps = warps[..., 0]
+    return (warps[:, :2] + warps[:, 2:]).sum(-1, keepdim=True)[:, 0]  # the last: one add of two
+
+
+@triton.jit
+def eager_order_sums(x_ptr, out_ptr, HIDDEN: tl.constexpr, CHUNK: tl.constexpr, ROWS: tl.constexpr):
+    """The sums of squares of ``ROWS`` rows by ``EAGER_NORM_SUM``'s device functions, chunk by chunk."""
+    rows = tl.arange(0, ROWS)
+    partial = tl.zeros([ROWS, CHUNK // 4], tl.float32)
+    for c in tl.static_range(triton.cdiv(HIDDEN, CHUNK)):
+        cols = c * CHUNK + tl.arange(0, CHUNK)
+        u = tl.load(x_ptr + rows[:, None] * HIDDEN + cols[None, :], mask=(cols < HIDDEN)[None, :], other=0.0)
+        partial = _add_squares_in_eager_order(partial, u.to(tl.float32))
+    tl.store(out_ptr + rows, _eager_order_total(partial))
+
+
+@pytest.mark.parametrize("hidden", [4, 128, 200, 1024, 2052])
+def test_the_norm_sum_takes_the_order_of_torchs_fused_rms_norm(hidden):
+    """``EAGER_NORM_SUM``'s device functions, chunk by chunk as the kernel calls them (chunks of up to 512
+    columns), against eager's order written out add by add: the same fp32 sum, bit for bit, on data whose
+    sums depend on the order."""
+    g = torch.Generator().manual_seed(hidden)
+    x = (torch.randn(8, hidden, generator=g) * torch.logspace(-3, 3, hidden)[torch.randperm(hidden, generator=g)]).to(bf16)
+    got = torch.empty(8)
+    eager_order_sums[(1,)](x, got, HIDDEN=hidden, CHUNK=min(512, 1 << (hidden - 1).bit_length()), ROWS=8)
+    expected = eager_fused_rms_norm_sum(x)
+    assert torch.equal(got, expected)
+    if hidden > 4:  # one vector: a single thread's sum, in any order
+        assert not torch.equal(expected, x.float().square().sum(-1)), "the data must make the order matter"

@@ -44,6 +44,50 @@ def test_launch_config_never_runs_on_fewer_than_min_warps(hidden, site, rows):
     assert (c.block_t == 1) == (hidden > 1024)
 
 
+@settings(max_examples=200, deadline=None)
+@given(hidden=st.integers(1, 8192).map(lambda h: 4 * h), site=st.sampled_from([(False, True), (True, True)]),
+       rows=st.none() | st.integers(1, 100_000))
+def test_eager_sum_order_takes_chunks_of_one_vector_per_eager_thread(hidden, site, rows):
+    """Where the norm's squares add in eager's order, chunks of 512 columns (eager's 128 threads x 4) on 4 warps,
+    or the whole padded row where it is shorter; the rows per program as without it."""
+    from h3_fused.kernels.launch import EAGER_SUM_CHUNK, MIN_WARPS, launch_config
+
+    c, other = launch_config(hidden, *site, rows, eager_sum=True), launch_config(hidden, *site, rows)
+    assert (c.chunk, c.num_warps, c.block_t) == (min(EAGER_SUM_CHUNK, 1 << (hidden - 1).bit_length()), MIN_WARPS,
+                                                 other.block_t)
+
+
+@pytest.mark.parametrize("policy, native, hidden, eager", [
+    ("bf16", False, 5376, True), ("bf16", False, 128, True), ("bf16", False, 101, False), ("bf16", True, 5376, False),
+    ("fp32", False, 5376, False)])
+def test_the_norm_sums_in_eager_order_for_the_torch_rms_norm_under_bf16(policy, native, hidden, eager):
+    """``EAGER_NORM_SUM`` for ``nn.RMSNorm`` / ``F.rms_norm`` (one rounding) under ``bf16`` where eager's fused
+    RMSNorm takes its vectorized path (H a multiple of 4); not for the native spelling (another eager
+    kernel), nor under ``fp32``; never for site C (no norm)."""
+    from h3_fused.kernels.arguments import check_args
+    from h3_fused.kernels.launch import LaunchConfig, specialisation
+
+    t = make(tokens=4, hidden=hidden)
+    for site, has_norm in (("A", True), ("C", False)):
+        kwargs = dict(x=t["x"], shift=t["shift"], scale=t["scale"], index=t["index"], weight=t["weight"],
+                      norm_rounds_before_weight=native) if has_norm else dict(
+            residual=t["x"], branch=t["branch"], gate=t["gate"], index=t["index"])
+        a = check_args(**kwargs, policy=policy, has_norm=has_norm)
+        flags = specialisation(hidden, not has_norm, has_norm, has_norm, a.rounding, LaunchConfig(1, 512, 4), False)
+        assert flags["EAGER_NORM_SUM"] == (eager and has_norm), site
+
+
+def test_a_chunk_wider_than_eager_order_allows_is_refused():
+    from h3_fused.kernels.arguments import check_args
+    from h3_fused.kernels.launch import LaunchConfig, launch_modulation
+
+    t = make(tokens=4, hidden=1024)
+    a = check_args(x=t["x"], weight=t["weight"], shift=t["shift"], scale=t["scale"], index=t["index"],
+                   policy="bf16", has_norm=True)
+    with pytest.raises(ValueError, match="config.chunk=1024"):
+        launch_modulation(a, None, torch.empty_like(t["x"]), lambda kernel: kernel, LaunchConfig(1, 1024, 4))
+
+
 @pytest.mark.parametrize("hidden", [2048, 2049, 5376])
 def test_launch_config_preloads_table_chunks_for_site_b_and_site_a_but_many_narrow_rows(hidden):
     """Site B always preloads its table chunks; site A too, except at H up to ``SITE_A_NARROW_H`` beyond
