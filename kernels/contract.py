@@ -30,7 +30,8 @@ class Rounding:
     spelling runs on CUDA, and its mean divides by ``H`` as that kernel does, so that ``r`` is eager's bit for
     bit: ``nn.RMSNorm`` and ``F.rms_norm`` (one rounding, ``norm_before_weight`` false) run torch's fused
     RMSNorm kernel, whose order the forward kernel reproduces where that kernel takes its vectorized path
-    (``H`` a multiple of 4). Elsewhere the sum's order is the kernel's own (any order is within ``fp32``).
+    (``H`` a multiple of 4 and rows aligned to 4 elements: the launch checks ``H``, not a view's alignment).
+    Elsewhere the sum's order is the kernel's own (any order is within ``fp32``).
 
     The backward rounds the activation gradients where eager's autograd of the same graph rounds them,
     which the same fields decide (``dy``, ``du`` are the incoming gradients of ``y`` and ``u``, ``xhat = u*r``):
