@@ -33,16 +33,15 @@ from timing import alternating_medians, relative_times, write_results
 
 def configurations(site: str, tokens: int, hidden: int, policy: str) -> dict:
     """Named launch configurations under ``policy``: the shipped one, ``w{2,4,8}`` (one 16-byte vector per thread
-    and chunk on that many warps; chunks of at most 512 columns where the norm's sum takes eager's order), each
+    and chunk on that many warps; the shipped chunk where the norm's sum takes eager's order), each
     also with ``_preload`` (table chunks one early), and any of them with ``_warm`` (warming programs first) or
     ``_nowarm`` (no warming of coming rows)."""
     from h3_fused.kernels.launch import LaunchConfig
 
     named = {"shipped": shipped_launch_config(site, hidden, tokens, policy)}
-    widest = named["shipped"].chunk if policy == "bf16" and site != "C" else None
+    fixed = named["shipped"].chunk if policy == "bf16" and site != "C" else None  # the order's chunk
     for warps, preload in itertools.product((2, 4, 8), (False, True)):
-        chunk = min(32 * warps * 8, widest or 32 * warps * 8)
-        named[f"w{warps}" + "_preload" * preload] = LaunchConfig(1, chunk, warps, preload)
+        named[f"w{warps}" + "_preload" * preload] = LaunchConfig(1, fixed or 32 * warps * 8, warps, preload)
     for name, config in list(named.items()):
         named[f"{name}_warm"] = dataclasses.replace(config, warm_tables_first=True)
         named[f"{name}_nowarm"] = dataclasses.replace(config, warm_rows_ahead=0, warm_tables_first=False)

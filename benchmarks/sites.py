@@ -117,12 +117,12 @@ def shipped_launch_config(site: str, hidden: int, rows: int | None, policy: str)
     ``hidden`` columns and ``rows`` rows (None: a symbolic count) under ``policy`` for bf16 tables and the
     ``nn.RMSNorm`` spelling (under ``bf16`` the norm's squares add in eager's order)."""
     from h3_fused.kernels.contract import rounding_for
-    from h3_fused.kernels.launch import eager_norm_sum, launch_config
+    from h3_fused.kernels.launch import launch_config, norm_sum_order
 
     gate, norm = site != "A", site != "C"
     rounding = rounding_for(policy, torch.bfloat16, torch.bfloat16 if gate else None, torch.bfloat16 if norm else None,
                             norm_rounds_before_weight=False, upcast_tables=False)
-    return launch_config(hidden, gate, norm, rows, eager_norm_sum(rounding, hidden, norm))
+    return launch_config(hidden, gate, norm, rows, norm_sum_order(rounding, hidden, norm, rows))
 
 
 def identical_outputs(outputs, others) -> bool:

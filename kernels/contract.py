@@ -26,12 +26,13 @@ class Rounding:
     activation dtype (bf16/fp16) the stored residual is the exact sum rounded once to it
     (``reference.sum_rounded_once``); with an fp32 gate table, the sum rounded to fp32 and then to ``A``.
     The affine is an fp32 FMA, as the upstream fp32 kernels compile it.
-    norm_sum_in_eager_order: the norm's fp32 sum of squares adds in the order of the eager kernel that the
-    spelling runs on CUDA, and its mean divides by ``H`` as that kernel does, so that ``r`` is eager's bit for
-    bit: ``nn.RMSNorm`` and ``F.rms_norm`` (one rounding, ``norm_before_weight`` false) run torch's fused
-    RMSNorm kernel, whose order the forward kernel reproduces where that kernel takes its vectorized path
-    (``H`` a multiple of 4 and rows aligned to 4 elements: the launch checks ``H``, not a view's alignment).
-    Elsewhere the sum's order is the kernel's own (any order is within ``fp32``).
+    norm_sum_order: the eager CUDA kernel whose order of the norm's fp32 sum of squares, and whose mean, the
+    forward kernel reproduces, so that ``r`` is eager's bit for bit: ``"fused_rms_norm"`` for ``nn.RMSNorm``
+    and ``F.rms_norm`` (one rounding, ``norm_before_weight`` false), which run torch's fused RMSNorm kernel;
+    ``"mean"`` for the native RMSNorm, whose ``x.pow(2).mean(-1)`` runs torch's generic reduction; None: the
+    kernel's own order (any order is within ``fp32``). Reproduced where eager takes the path measured
+    (``launch.norm_sum_order`` says where: ``H`` a multiple of 4, rows aligned to 4 elements, which the launch
+    does not check of a view; for ``"mean"`` at least 16 rows).
 
     The backward rounds the activation gradients where eager's autograd of the same graph rounds them,
     which the same fields decide (``dy``, ``du`` are the incoming gradients of ``y`` and ``u``, ``xhat = u*r``):
@@ -49,8 +50,8 @@ class Rounding:
       with ``norm_before_weight``), accumulated in fp32 in a fixed order and rounded once to the
       parameter's dtype, under both policies (eager sums them in the parameter's dtype, by atomics on CUDA).
 
-    The backward recomputes ``r`` and sums ``mean(dxhat * xhat)`` in its own order (``norm_sum_in_eager_order``
-    is the forward's): where that order differs from eager's, ``du_n`` may differ in the last place of ``A``.
+    The backward recomputes ``r`` and sums ``mean(dxhat * xhat)`` in its own order (``norm_sum_order`` is the
+    forward's): where that order differs from eager's, ``du_n`` may differ in the last place of ``A``.
     """
 
     gate_product: bool
@@ -58,7 +59,7 @@ class Rounding:
     norm_before_weight: bool
     affine: bool
     fused_multiply_add: bool = False
-    norm_sum_in_eager_order: bool = False
+    norm_sum_order: str | None = None
 
 
 def rounding_for(policy: str, activation: torch.dtype, gate_table: torch.dtype | None,
@@ -67,13 +68,13 @@ def rounding_for(policy: str, activation: torch.dtype, gate_table: torch.dtype |
     """The rounding points of the eager graph under ``bf16``; only the stored ones under ``fp32``."""
     if policy == "fp32":
         return Rounding(False, False, False, False, fused_multiply_add=True)
-    eager_sum = not norm_rounds_before_weight
+    sum_order = "mean" if norm_rounds_before_weight else "fused_rms_norm"
     if activation in (torch.float32, torch.float64):  # nothing to round to
-        return Rounding(False, False, False, False, norm_sum_in_eager_order=eager_sum)
+        return Rounding(False, False, False, False, norm_sum_order=sum_order)
 
     def low(table):
         return table is not None and table == activation and not upcast_tables
 
     return Rounding(gate_product=low(gate_table), norm_output=True,
                     norm_before_weight=norm_rounds_before_weight, affine=low(mod_table),
-                    norm_sum_in_eager_order=eager_sum)
+                    norm_sum_order=sum_order)

@@ -6,16 +6,16 @@ Per row ``t`` (``i = index[t]``, arithmetic in fp32 unless said below, ``R`` = r
     site B/C:  g = gate[i] * branch            (R if ROUND_GATE)
                u = R(residual + g)             -> stored (B, C; one FMA with the product if FUSE_MULTIPLY_ADD)
     site A:    u = x
-    site A/B:  r = rsqrt(sum(u*u) * (1/H) + eps)  (EAGER_NORM_SUM: rsqrt(sum(u*u) / H + eps), the sum in
-                                               the order of torch's fused RMSNorm kernel, ``_add_squares_in_eager_order``)
+    site A/B:  r = rsqrt(sum(u*u) * (1/H) + eps)  (the sum and the mean in the order and form of eager's kernel
+                                               where NORM_SUM_ORDER says: ``_eager_norm_mean``)
                n = u * r                       (R if ROUND_NORM_BEFORE_WEIGHT, then * w if HAS_WEIGHT)
                n = R(n) if ROUND_NORM
                p = 1 + scale[i]                (R if ROUND_AFFINE)
                q = n * p                       (R if ROUND_AFFINE; fused with the add if FUSE_MULTIPLY_ADD)
                y = R(q + shift[i])             -> stored (A, B)
 
-The ``ROUND_*``, ``FUSE_MULTIPLY_ADD`` and ``EAGER_NORM_SUM`` flags are ``contract.Rounding``'s fields, one
-for one.
+The ``ROUND_*``, ``FUSE_MULTIPLY_ADD`` and ``NORM_SUM_ORDER`` constexprs are ``contract.Rounding``'s fields,
+one for one (``NORM_SUM_ORDER``: 0 the kernel's own order, 1 ``"fused_rms_norm"``, 2 ``"mean"``).
 
 Each program holds ``BLOCK_T`` whole rows in registers, read in chunks of ``CHUNK`` columns; the chunks
 of ``u`` stay in registers (in the activation dtype) from the sum of squares to the modulation. Each
@@ -194,7 +194,7 @@ def _modulated(
 
 
 @triton.jit
-def _add_squares_in_eager_order(partial, u):
+def _add_squares_as_fused_rms_norm(partial, u):
     """``partial`` plus the squares of chunk ``u`` (``[BLOCK_T, CHUNK]`` fp32, ``CHUNK`` a multiple of 4 and at
     most 512), in the order of torch's fused RMSNorm CUDA kernel (``_fused_rms_norm``: the vectorized layer-norm
     kernel with ``rms_norm``). That kernel gives a row 128 threads; thread ``t`` reads the 4-element vectors
@@ -214,13 +214,25 @@ def _add_squares_in_eager_order(partial, u):
 
 
 @triton.jit
+def _add_squares_as_mean(partial, u, zero):
+    """``partial`` plus the squares of chunk ``u`` (``[BLOCK_T, CHUNK]`` fp32, ``CHUNK`` 4 times a power of 2 up
+    to 128) as the native RMSNorm's ``x.pow(2).mean(-1)`` adds them on CUDA from 16 rows on: ``pow`` rounds each
+    square to fp32 (``mul_rn``: never an FMA with the add), and torch's generic reduction gives a row one warp,
+    lane ``l`` reading the 4-element vectors ``l, l + 32, ...`` (fewer lanes where the row has fewer vectors)
+    and adding element ``i`` of each to its own sum ``i``. ``partial`` holds those 4 sums of each lane, in the
+    chunk's layout: with ``CHUNK`` = 4 lanes a chunk is one vector of each lane."""
+    return partial + mul_rn(u, u, zero)
+
+
+@triton.jit
 def _eager_order_total(partial):
     """The row sums of the per-thread sums ``partial`` (``[BLOCK_T, THREADS]``, ``THREADS`` a power of 2 up to
-    128) in the order of torch's fused RMSNorm kernel: within each warp of 32 threads a shuffle-down tree
-    (thread ``l`` adds thread ``l + 16``, then ``l + 8``, ... ``l + 1``), then across its 4 warps a tree in
-    shared memory (warp ``w`` adds warp ``w + 2``, then warp 0 adds warp 1). Each step adds two values, so
-    the adds are eager's; threads the row does not reach hold 0, and adding 0 changes nothing, so a row of
-    fewer threads takes the same tree over the threads it has."""
+    128) in the order both eager kernels finish theirs: within each warp of 32 threads a shuffle-down tree
+    (thread ``l`` adds thread ``l + 16``, then ``l + 8``, ... ``l + 1``; a row of fewer lanes starts at half
+    of them), then, in torch's fused RMSNorm kernel, across its 4 warps a tree in shared memory (warp ``w``
+    adds warp ``w + 2``, then warp 0 adds warp 1). Each step adds two values, so the adds are eager's;
+    threads the row does not reach hold 0, and adding 0 changes nothing, so a row of fewer threads takes the
+    same tree over the threads it has."""
     BT: tl.constexpr = partial.shape[0]
     THREADS: tl.constexpr = partial.shape[1]
     WARPS: tl.constexpr = (THREADS + 31) // 32
@@ -234,6 +246,24 @@ def _eager_order_total(partial):
         if (WARPS >> (step + 1)) > 0:
             sums = tl.sum(tl.reshape(sums, [BT, 2, WARPS >> (step + 1)]), 1)
     return tl.reshape(sums, [BT])
+
+
+@triton.jit
+def _eager_norm_mean(partial, n_rows, program, HIDDEN: tl.constexpr, NORM_SUM_ORDER: tl.constexpr):
+    """``mean(u*u)`` per row from the partial sums of ``_add_squares_as_fused_rms_norm`` (``NORM_SUM_ORDER`` 1:
+    the sum divided by ``H``, as torch's fused RMSNorm kernel divides it) or ``_add_squares_as_mean`` (2: each
+    lane's 4 sums added ``((s0 + s1) + s2) + s3``, then the lanes' tree, times the factor torch's mean takes,
+    ``float(rows) / float(rows * H)``, each count rounded to fp32 as eager's host code rounds it)."""
+    if NORM_SUM_ORDER == 1:
+        return tl.math.div_rn(_eager_order_total(partial), tl.cast(HIDDEN, tl.float32))
+    BT: tl.constexpr = partial.shape[0]
+    LANES: tl.constexpr = partial.shape[1] // 4
+    even, odd = tl.split(tl.reshape(partial, [BT, LANES, 2, 2]))  # each lane's sums 0, 2 and 1, 3
+    s0, s2 = tl.split(even)
+    s1, s3 = tl.split(odd)
+    rows = n_rows + 0 * program  # int64, also where ``n_rows`` is a constant
+    factor = tl.math.div_rn(rows.to(tl.float32), (rows * HIDDEN).to(tl.float32))
+    return _eager_order_total(((s0 + s1) + s2) + s3) * factor
 
 
 @triton.jit
@@ -275,7 +305,7 @@ def _modulate_rows(
     stride_x, stride_res, stride_branch, stride_gate, stride_shift, stride_scale,
     HIDDEN: tl.constexpr, HAS_GATE: tl.constexpr, HAS_NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr,
     ROUND_GATE: tl.constexpr, ROUND_NORM: tl.constexpr, ROUND_NORM_BEFORE_WEIGHT: tl.constexpr,
-    ROUND_AFFINE: tl.constexpr, FUSE_MULTIPLY_ADD: tl.constexpr, EAGER_NORM_SUM: tl.constexpr, INTERPRETED: tl.constexpr,
+    ROUND_AFFINE: tl.constexpr, FUSE_MULTIPLY_ADD: tl.constexpr, NORM_SUM_ORDER: tl.constexpr, INTERPRETED: tl.constexpr,
     BLOCK_T: tl.constexpr, CHUNK: tl.constexpr, PRELOAD_TABLE_CHUNKS: tl.constexpr, WARM_ROWS_AHEAD: tl.constexpr,
     WARMING_LANES: tl.constexpr,
 ):
@@ -288,7 +318,7 @@ def _modulate_rows(
     idx = tl.where(bad, 0, idx)  # every load reads in bounds, whatever the index
 
     kept = ()  # the row's chunks of u, in the activation dtype (exact: u is rounded to it or loaded in it)
-    squares = tl.zeros([BLOCK_T, CHUNK // 4 if EAGER_NORM_SUM else CHUNK], tl.float32)
+    squares = tl.zeros([BLOCK_T, CHUNK // 4 if NORM_SUM_ORDER == 1 else CHUNK], tl.float32)
     for c in tl.static_range(triton.cdiv(HIDDEN, CHUNK)):
         lanes, mask = _chunk(c, row_ok, CHUNK, HIDDEN)
         u = _new_residual(x_ptr, res_ptr, branch_ptr, gate_ptr, u_ptr, rows, idx, zero, c * CHUNK, lanes, mask,
@@ -296,8 +326,10 @@ def _modulate_rows(
                           FUSE_MULTIPLY_ADD, INTERPRETED)
         if HAS_NORM:
             wide = widened(u)
-            if EAGER_NORM_SUM:
-                squares = _add_squares_in_eager_order(squares, wide)
+            if NORM_SUM_ORDER == 1:
+                squares = _add_squares_as_fused_rms_norm(squares, wide)
+            elif NORM_SUM_ORDER == 2:
+                squares = _add_squares_as_mean(squares, wide, zero)
             else:
                 squares += wide * wide
         kept = kept + (u,)
@@ -318,8 +350,8 @@ def _modulate_rows(
                                CHUNK, HAS_WEIGHT)
     if HAS_NORM:
         # fp32 constants and scalars (Inductor may pass eps as a constexpr float, which computes in fp64)
-        if EAGER_NORM_SUM:  # eager divides by H
-            mean_square = tl.math.div_rn(_eager_order_total(squares), tl.cast(HIDDEN, tl.float32))
+        if NORM_SUM_ORDER > 0:
+            mean_square = _eager_norm_mean(squares, n_rows, program, HIDDEN, NORM_SUM_ORDER)
         else:
             mean_square = tl.sum(squares, axis=1) * tl.cast(1.0 / HIDDEN, tl.float32)
         r = rsqrt(mean_square + tl.cast(eps, tl.float32), INTERPRETED)
@@ -346,7 +378,7 @@ def modulation_kernel(
     stride_x, stride_res, stride_branch, stride_gate, stride_shift, stride_scale,
     HIDDEN: tl.constexpr, HAS_GATE: tl.constexpr, HAS_NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr,
     ROUND_GATE: tl.constexpr, ROUND_NORM: tl.constexpr, ROUND_NORM_BEFORE_WEIGHT: tl.constexpr,
-    ROUND_AFFINE: tl.constexpr, FUSE_MULTIPLY_ADD: tl.constexpr, EAGER_NORM_SUM: tl.constexpr, INTERPRETED: tl.constexpr,
+    ROUND_AFFINE: tl.constexpr, FUSE_MULTIPLY_ADD: tl.constexpr, NORM_SUM_ORDER: tl.constexpr, INTERPRETED: tl.constexpr,
     BLOCK_T: tl.constexpr, CHUNK: tl.constexpr, PRELOAD_TABLE_CHUNKS: tl.constexpr, WARM_ROWS_AHEAD: tl.constexpr,
     WARM_TABLES_FIRST: tl.constexpr, WARMING_LANES: tl.constexpr,
 ):
@@ -362,5 +394,5 @@ def modulation_kernel(
         _modulate_rows(program - warming, x_ptr, res_ptr, branch_ptr, gate_ptr, w_ptr, shift_ptr, scale_ptr, idx_ptr,
                        u_ptr, y_ptr, n_rows, num_table_rows, eps, stride_x, stride_res, stride_branch, stride_gate,
                        stride_shift, stride_scale, HIDDEN, HAS_GATE, HAS_NORM, HAS_WEIGHT, ROUND_GATE, ROUND_NORM,
-                       ROUND_NORM_BEFORE_WEIGHT, ROUND_AFFINE, FUSE_MULTIPLY_ADD, EAGER_NORM_SUM, INTERPRETED,
+                       ROUND_NORM_BEFORE_WEIGHT, ROUND_AFFINE, FUSE_MULTIPLY_ADD, NORM_SUM_ORDER, INTERPRETED,
                        BLOCK_T, CHUNK, PRELOAD_TABLE_CHUNKS, WARM_ROWS_AHEAD, WARMING_LANES)

@@ -22,7 +22,10 @@ FEW_ROWS = 6144  # up to this many rows site B runs on 8 warps
 SITE_A_NARROW_H = 2048  # up to this H site A preloads its table chunks only up to SITE_A_FEW_ROWS rows
 SITE_A_FEW_ROWS = 16384
 MIN_WARPS = 4  # the fewest warps a program runs on
-EAGER_SUM_CHUNK = 512  # columns per chunk where the norm's squares add in eager's order: 128 threads x 4
+SUM_ORDERS = {None: 0, "fused_rms_norm": 1, "mean": 2}  # contract.Rounding.norm_sum_order -> NORM_SUM_ORDER
+MEAN_ORDER_MIN_ROWS = 16  # from this many rows torch's mean gives a row one warp (the order reproduced)
+MEAN_ORDER_MIN_H = 128  # the narrowest row whose mean's order was measured (its input read in vectors)
+MEAN_ORDER_MAX_H = 8192  # a warp holds the row: a bound set on its registers, not measured
 WARM_ROWS_AHEAD = 1024  # each program warms L2 with the table rows of the row this many rows on
 WARM_TABLES_MAX_BYTES = 4 << 20  # tables larger than this are not warmed as the kernel starts
 
@@ -53,20 +56,38 @@ class LaunchConfig:
         return self.block_t * self.chunk // 8
 
 
-def eager_norm_sum(rounding: Rounding, hidden: int, has_norm: bool) -> bool:
-    """Whether the kernel sums the norm's squares in eager's order (``EAGER_NORM_SUM``): where the rounding
-    contract asks for it and eager's kernel is the one reproduced (its vectorized path: ``H`` a multiple of 4)."""
-    return has_norm and rounding.norm_sum_in_eager_order and hidden % 4 == 0
+def norm_sum_order(rounding: Rounding, hidden: int, has_norm: bool, rows: int | None) -> int:
+    """The kernel's ``NORM_SUM_ORDER``: the rounding contract's ``norm_sum_order`` where the eager kernel takes the
+    path reproduced (``H`` a multiple of 4: vectorized; for ``"mean"`` also ``MEAN_ORDER_MIN_ROWS`` rows or more,
+    or a symbolic count, and ``H`` from ``MEAN_ORDER_MIN_H`` to ``MEAN_ORDER_MAX_H``), else 0 (the kernel's own
+    order)."""
+    order = rounding.norm_sum_order if has_norm and hidden % 4 == 0 else None
+    few_rows = rows is not None and rows < MEAN_ORDER_MIN_ROWS
+    if order == "mean" and (few_rows or not MEAN_ORDER_MIN_H <= hidden <= MEAN_ORDER_MAX_H):
+        order = None
+    return SUM_ORDERS[order]
+
+
+def sum_order_chunk(hidden: int, sum_order: int) -> int | None:
+    """The chunk width the order ``sum_order`` needs (None: any): one 4-element vector per eager thread, 128
+    threads for the fused RMSNorm (512 columns, or the padded row), for the mean one warp's lanes, as many as
+    the row's vectors allow (``4 * min(32, last power of 2 <= H / 4)``)."""
+    if sum_order == 1:
+        return min(1 << (int(hidden) - 1).bit_length(), 512)
+    if sum_order == 2:
+        return 4 * min(32, 1 << ((int(hidden) // 4).bit_length() - 1))
+    return None
 
 
 def launch_config(hidden: int, has_gate: bool, has_norm: bool, rows: int | None,
-                  eager_sum: bool = False) -> LaunchConfig:
+                  sum_order: int = 0) -> LaunchConfig:
     """Whole rows in registers, read in chunks of one 16-byte vector per thread (8 bf16), so that only the
     last chunk pads ``H``; one row per program (rows shorter than the program's lanes share it).
 
-    Where the norm's squares add in eager's order (``eager_sum``, see ``eager_norm_sum``), chunks of 512
-    columns (or the padded row, if shorter) on 4 warps: one 4-element vector per thread, each thread's the
-    vector eager's thread of the same number reads, so that the order costs no exchange between threads.
+    Where the norm's squares add in an eager kernel's order (``sum_order``, see ``norm_sum_order``), 4 warps and
+    chunks of ``sum_order_chunk`` columns: one 4-element vector a thread, the vector eager's thread of the same
+    number reads, so that the order costs no exchange between threads; for the mean's order one warp a row
+    (``block_t`` rows of such chunks fill the 4 warps).
 
     - Warps: 8 for site C, for site B up to ``FEW_ROWS`` rows and for site A up to ``FEWEST_ROWS`` rows;
       4 beyond, where more programs resident per SM win; never fewer than ``MIN_WARPS``.
@@ -90,8 +111,10 @@ def launch_config(hidden: int, has_gate: bool, has_norm: bool, rows: int | None,
     per_thread = 32 if more_warps else 64
     num_warps = max(MIN_WARPS, min(16, block_t * padded // (32 * per_thread)))
     chunk = min(padded, max(1, 32 * num_warps * 8 // block_t))  # the quotient is 0 at H = 1
-    if eager_sum:
-        num_warps, chunk = MIN_WARPS, min(padded, EAGER_SUM_CHUNK)
+    if sum_order:
+        num_warps, chunk = MIN_WARPS, sum_order_chunk(hidden, sum_order)
+        if sum_order == 2:
+            block_t = 32 * MIN_WARPS * 4 // chunk
     preload = has_norm and (has_gate or hidden > SITE_A_NARROW_H or at_most(SITE_A_FEW_ROWS))
     return LaunchConfig(block_t, chunk, num_warps, preload, warm_tables_first=has_norm and not has_gate)
 
@@ -116,13 +139,14 @@ def warming_program_count(a: ModulationArgs, lanes: int) -> int:
 
 
 def specialisation(hidden: int, has_gate: bool, has_norm: bool, has_weight: bool, rounding: Rounding,
-                   config: LaunchConfig, interpreted: bool) -> dict:
-    """The kernel's constexpr arguments for one site, rounding and launch configuration."""
+                   config: LaunchConfig, interpreted: bool, rows: int | None = None) -> dict:
+    """The kernel's constexpr arguments for one site, rounding and launch configuration, for ``rows`` rows
+    (None: a symbolic count)."""
     return dict(
         HIDDEN=hidden, HAS_GATE=has_gate, HAS_NORM=has_norm, HAS_WEIGHT=has_weight,
         ROUND_GATE=rounding.gate_product, ROUND_NORM=rounding.norm_output,
         ROUND_NORM_BEFORE_WEIGHT=rounding.norm_before_weight, ROUND_AFFINE=rounding.affine,
-        FUSE_MULTIPLY_ADD=rounding.fused_multiply_add, EAGER_NORM_SUM=eager_norm_sum(rounding, hidden, has_norm),
+        FUSE_MULTIPLY_ADD=rounding.fused_multiply_add, NORM_SUM_ORDER=norm_sum_order(rounding, hidden, has_norm, rows),
         INTERPRETED=interpreted, BLOCK_T=config.block_t,
         CHUNK=config.chunk,
         PRELOAD_TABLE_CHUNKS=config.preload_table_chunks and has_norm,  # no tables without a norm: one build of C
@@ -144,10 +168,10 @@ def launch_modulation(a: ModulationArgs, u: torch.Tensor | None, y: torch.Tensor
 
     Arguments a site does not use are passed as an alias of one it does; the kernel never reads them.
     """
+    rows = a.rows if isinstance(a.rows, int) else None
+    sum_order = norm_sum_order(a.rounding, a.hidden, a.scale is not None, rows)
     if config is None:
-        config = launch_config(a.hidden, a.gate is not None, a.scale is not None,
-                               a.rows if isinstance(a.rows, int) else None,
-                               eager_norm_sum(a.rounding, a.hidden, a.scale is not None))
+        config = launch_config(a.hidden, a.gate is not None, a.scale is not None, rows, sum_order)
     rows_alias = a.x if a.x is not None else a.residual
     table_alias = a.gate if a.gate is not None else a.scale
 
@@ -157,9 +181,10 @@ def launch_modulation(a: ModulationArgs, u: torch.Tensor | None, y: torch.Tensor
     def table_or_alias(t):
         return table_alias if t is None else t
 
-    if eager_norm_sum(a.rounding, a.hidden, a.scale is not None) and config.chunk > EAGER_SUM_CHUNK:
-        raise ValueError(f"config.chunk={config.chunk}: where the norm's squares add in eager's order a chunk holds "
-                         f"at most {EAGER_SUM_CHUNK} columns")
+    needed = sum_order_chunk(a.hidden, sum_order)
+    if needed is not None and config.chunk != needed:
+        raise ValueError(f"config.chunk={config.chunk}: where the norm's squares add in an eager kernel's order a "
+                         f"chunk holds {needed} columns at H={a.hidden}")
     x, res, branch = rows_or_alias(a.x), rows_or_alias(a.residual), rows_or_alias(a.branch)
     gate, shift, scale = table_or_alias(a.gate), table_or_alias(a.shift), table_or_alias(a.scale)
     warming = warming_program_count(a, config.warming_lanes) if config.warm_tables_first else 0
@@ -169,6 +194,6 @@ def launch_modulation(a: ModulationArgs, u: torch.Tensor | None, y: torch.Tensor
         a.rows, a.num_table_rows, a.eps,
         x.stride(0), res.stride(0), branch.stride(0), gate.stride(0), shift.stride(0), scale.stride(0),
         **specialisation(a.hidden, a.gate is not None, a.scale is not None, a.weight is not None, a.rounding,
-                         config, interpreting()),
+                         config, interpreting(), rows),
         num_warps=config.num_warps,
     )

@@ -14,7 +14,7 @@ import itertools
 import pytest
 import torch
 from h3_fused.kernels.arguments import check_args
-from h3_fused.kernels.launch import FEW_ROWS, eager_norm_sum, launch_config
+from h3_fused.kernels.launch import FEW_ROWS, launch_config, norm_sum_order
 from h3_fused.kernels.reference import reference_modulation
 from sites import kernel_launch, make_inputs
 
@@ -35,7 +35,7 @@ def test_every_build_at_the_edge_sizes_matches_the_reference(rows_for, warm_next
                 inputs["gate"] = inputs["gate"].to(gate_dtype)
             a = check_args(**inputs, policy=policy, has_norm=site != "C")
             config = launch_config(hidden, *SITES_HAVE[site], tokens if rows_for == "own" else rows_for,
-                                   eager_norm_sum(a.rounding, hidden, site != "C"))
+                                   norm_sum_order(a.rounding, hidden, site != "C", tokens))
             if warm_next_row:
                 config = dataclasses.replace(config, warm_rows_ahead=1)
             launch = kernel_launch(site, inputs, policy, config=config)

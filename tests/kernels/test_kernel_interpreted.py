@@ -16,7 +16,7 @@ import triton.language as tl
 from exact_rounding import assert_fp32_gated_residual_rounds_once
 from h3_fused.kernels import gate_norm_modulate, gate_residual, launch, norm_modulate
 from h3_fused.kernels.arguments import check_args
-from h3_fused.kernels.forward_kernel import _add_squares_in_eager_order, _eager_order_total
+from h3_fused.kernels.forward_kernel import _add_squares_as_fused_rms_norm, _add_squares_as_mean, _eager_norm_mean
 from h3_fused.kernels.reference import reference_modulation
 
 pytestmark = pytest.mark.interpreted
@@ -129,7 +129,7 @@ def test_warming_table_rows_changes_no_result(hidden, tokens):
     for (name, kwargs), policy in itertools.product(sites.items(), ("bf16", "fp32")):
         a = check_args(**kwargs, policy=policy, has_norm="scale" in kwargs)
         shipped = launch.launch_config(a.hidden, a.gate is not None, a.scale is not None, a.rows,
-                                       launch.eager_norm_sum(a.rounding, a.hidden, a.scale is not None))
+                                       launch.norm_sum_order(a.rounding, a.hidden, a.scale is not None, a.rows))
         plain = launched(dataclasses.replace(shipped, warm_rows_ahead=0, warm_tables_first=False), **kwargs,
                          policy=policy)
         for ahead, first in ((1, False), (2, False), (7, False), (0, True), (1, True)):
@@ -138,48 +138,80 @@ def test_warming_table_rows_changes_no_result(hidden, tokens):
             assert all(g is None or torch.equal(g, p) for g, p in zip(got, plain)), (name, policy, ahead, first)
 
 
-def eager_fused_rms_norm_sum(x: torch.Tensor) -> torch.Tensor:
-    """Per row of ``x`` (``[T, H]``, H a multiple of 4), the fp32 sum of squares in the order of torch's fused
-    RMSNorm CUDA kernel, one fp32 add at a time: thread ``t`` of 128 adds the squares of its vectors
+def eager_fused_rms_norm_mean(x: torch.Tensor) -> torch.Tensor:
+    """Per row of ``x`` (``[T, H]``, H a multiple of 4), ``mean(x*x)`` in fp32 as torch's fused RMSNorm CUDA
+    kernel computes it, one fp32 add at a time: thread ``t`` of 128 adds the squares of its vectors
     ``t, t + 128, ...`` of 4, in order; a shuffle-down tree over each warp's 32 threads; warp 0 + 2 and 1 + 3,
-    then the two. (The squares of bf16 values are exact in fp32, so FMA or not makes no difference.)"""
+    then the two; divided by H. (The squares of bf16 values are exact in fp32: FMA or not is the same.)"""
     rows, hidden = x.shape
-    squares = x.float().square()
     vectors = torch.zeros(rows, -(-hidden // 512) * 128, 4)
-    vectors.view(rows, -1)[:, :hidden] = squares
+    vectors.view(rows, -1)[:, :hidden] = x.float().square()
     per_thread = torch.zeros(rows, 128)
     for j in range(vectors.shape[1] // 128):
         for i in range(4):
             per_thread = per_thread + vectors[:, j * 128:(j + 1) * 128, i]
-    warps = per_thread.view(rows, 4, 32)
-    for offset in (16, 8, 4, 2, 1):
-        warps = warps[..., :offset] + warps[..., offset:2 * offset]
-    warps = warps[..., 0]
-    return (warps[:, :2] + warps[:, 2:]).sum(-1, keepdim=True)[:, 0]  # the last: one add of two
+    warps = _shuffle_down(per_thread.view(rows, 4, 32))
+    return ((warps[:, 0] + warps[:, 2]) + (warps[:, 1] + warps[:, 3])) / hidden
+
+
+def eager_mean_of_squares(x: torch.Tensor, rows_counted: int) -> torch.Tensor:
+    """Per row of ``x``, ``x.float().pow(2).mean(-1)`` as torch's generic CUDA reduction computes it from 16 rows
+    on (for a tensor of ``rows_counted`` rows): lane ``l`` of ``L = min(32, last power of 2 <= H / 4)`` keeps 4
+    sums, adding element ``i`` of its vectors ``l, l + L, ...`` to sum ``i``; ``((s0 + s1) + s2) + s3``; a
+    shuffle-down tree over the lanes; times ``float(rows) / float(rows * H)``."""
+    rows, hidden = x.shape
+    lanes = min(32, 1 << ((hidden // 4).bit_length() - 1))
+    vectors = torch.zeros(rows, -(-hidden // (4 * lanes)) * lanes, 4)
+    vectors.view(rows, -1)[:, :hidden] = x.float().square()
+    sums = torch.zeros(rows, lanes, 4)
+    for k in range(vectors.shape[1] // lanes):
+        sums = sums + vectors[:, k * lanes:(k + 1) * lanes]
+    per_lane = ((sums[..., 0] + sums[..., 1]) + sums[..., 2]) + sums[..., 3]
+    factor = torch.tensor(float(rows_counted), dtype=torch.float32) / torch.tensor(float(rows_counted * hidden),
+                                                                                   dtype=torch.float32)
+    return _shuffle_down(per_lane.view(rows, 1, lanes))[:, 0] * factor
+
+
+def _shuffle_down(sums: torch.Tensor) -> torch.Tensor:
+    """``[rows, warps, lanes]`` -> ``[rows, warps]``: lane ``l`` adds lane ``l + lanes/2``, and so on, to one."""
+    while sums.shape[-1] > 1:
+        half = sums.shape[-1] // 2
+        sums = sums[..., :half] + sums[..., half:]
+    return sums[..., 0]
 
 
 @triton.jit
-def eager_order_sums(x_ptr, out_ptr, HIDDEN: tl.constexpr, CHUNK: tl.constexpr, ROWS: tl.constexpr):
-    """The sums of squares of ``ROWS`` rows by ``EAGER_NORM_SUM``'s device functions, chunk by chunk."""
+def eager_order_means(x_ptr, out_ptr, n_rows, HIDDEN: tl.constexpr, CHUNK: tl.constexpr, ROWS: tl.constexpr,
+                      NORM_SUM_ORDER: tl.constexpr):
+    """``mean(x*x)`` of ``ROWS`` rows by the forward kernel's device functions for ``NORM_SUM_ORDER``, chunk by
+    chunk as the kernel calls them; ``n_rows``: the row count the mean's factor takes."""
     rows = tl.arange(0, ROWS)
-    partial = tl.zeros([ROWS, CHUNK // 4], tl.float32)
+    zero = tl.zeros([ROWS, 1], tl.int32)
+    partial = tl.zeros([ROWS, CHUNK // 4 if NORM_SUM_ORDER == 1 else CHUNK], tl.float32)
     for c in tl.static_range(triton.cdiv(HIDDEN, CHUNK)):
         cols = c * CHUNK + tl.arange(0, CHUNK)
         u = tl.load(x_ptr + rows[:, None] * HIDDEN + cols[None, :], mask=(cols < HIDDEN)[None, :], other=0.0)
-        partial = _add_squares_in_eager_order(partial, u.to(tl.float32))
-    tl.store(out_ptr + rows, _eager_order_total(partial))
+        if NORM_SUM_ORDER == 1:
+            partial = _add_squares_as_fused_rms_norm(partial, u.to(tl.float32))
+        else:
+            partial = _add_squares_as_mean(partial, u.to(tl.float32), zero)
+    tl.store(out_ptr + rows, _eager_norm_mean(partial, n_rows, tl.program_id(0).to(tl.int64), HIDDEN, NORM_SUM_ORDER))
 
 
-@pytest.mark.parametrize("hidden", [4, 128, 200, 1024, 2052])
-def test_the_norm_sum_takes_the_order_of_torchs_fused_rms_norm(hidden):
-    """``EAGER_NORM_SUM``'s device functions, chunk by chunk as the kernel calls them (chunks of up to 512
-    columns), against eager's order written out add by add: the same fp32 sum, bit for bit, on data whose
-    sums depend on the order."""
+@pytest.mark.parametrize("order, hidden", [("fused_rms_norm", h) for h in (4, 64, 128, 200, 1024, 2052)]
+                         + [("mean", h) for h in (128, 200, 1024, 2052)])
+def test_the_norm_mean_takes_the_order_of_eagers_kernel(order, hidden):
+    """``NORM_SUM_ORDER``'s device functions, with the chunks the launch gives them, against each eager kernel's
+    order written out add by add: the same fp32 mean, bit for bit, on data whose sums depend on the order
+    (and, for the mean, a row count whose product with H is not an fp32 integer)."""
+    from h3_fused.kernels.launch import SUM_ORDERS, sum_order_chunk
+
     g = torch.Generator().manual_seed(hidden)
     x = (torch.randn(8, hidden, generator=g) * torch.logspace(-3, 3, hidden)[torch.randperm(hidden, generator=g)]).to(bf16)
-    got = torch.empty(8)
-    eager_order_sums[(1,)](x, got, HIDDEN=hidden, CHUNK=min(512, 1 << (hidden - 1).bit_length()), ROWS=8)
-    expected = eager_fused_rms_norm_sum(x)
+    got, counted = torch.empty(8), 100_003
+    eager_order_means[(1,)](x, got, counted, HIDDEN=hidden, CHUNK=sum_order_chunk(hidden, SUM_ORDERS[order]), ROWS=8,
+                            NORM_SUM_ORDER=SUM_ORDERS[order])
+    expected = eager_fused_rms_norm_mean(x) if order == "fused_rms_norm" else eager_mean_of_squares(x, counted)
     assert torch.equal(got, expected)
     if hidden > 4:  # one vector: a single thread's sum, in any order
-        assert not torch.equal(expected, x.float().square().sum(-1)), "the data must make the order matter"
+        assert not torch.equal(expected * hidden, x.float().square().sum(-1)), "the data must make the order matter"

@@ -47,23 +47,30 @@ def test_launch_config_never_runs_on_fewer_than_min_warps(hidden, site, rows):
 @settings(max_examples=200, deadline=None)
 @given(hidden=st.integers(1, 8192).map(lambda h: 4 * h), site=st.sampled_from([(False, True), (True, True)]),
        rows=st.none() | st.integers(1, 100_000))
-def test_eager_sum_order_takes_chunks_of_one_vector_per_eager_thread(hidden, site, rows):
-    """Where the norm's squares add in eager's order, chunks of 512 columns (eager's 128 threads x 4) on 4 warps,
-    or the whole padded row where it is shorter; the rows per program as without it."""
-    from h3_fused.kernels.launch import EAGER_SUM_CHUNK, MIN_WARPS, launch_config
+def test_eager_sum_orders_take_chunks_of_one_vector_per_eager_thread(hidden, site, rows):
+    """Where the norm's squares add in the fused RMSNorm's order, chunks of 512 columns (its 128 threads x 4) on
+    4 warps, or the whole padded row where it is shorter, the rows per program as without it; in the mean's
+    order, chunks of one vector per lane of a warp (at most 32 lanes), as many rows as fill 4 warps."""
+    from h3_fused.kernels.launch import MIN_WARPS, launch_config
 
-    c, other = launch_config(hidden, *site, rows, eager_sum=True), launch_config(hidden, *site, rows)
-    assert (c.chunk, c.num_warps, c.block_t) == (min(EAGER_SUM_CHUNK, 1 << (hidden - 1).bit_length()), MIN_WARPS,
-                                                 other.block_t)
+    fused, other = launch_config(hidden, *site, rows, sum_order=1), launch_config(hidden, *site, rows)
+    assert (fused.chunk, fused.num_warps, fused.block_t) == (min(512, 1 << (hidden - 1).bit_length()), MIN_WARPS,
+                                                             other.block_t)
+    mean = launch_config(hidden, *site, rows, sum_order=2)
+    lanes = min(32, 1 << ((hidden // 4).bit_length() - 1))
+    assert (mean.chunk, mean.num_warps, mean.block_t * mean.chunk) == (4 * lanes, MIN_WARPS, 4 * 32 * MIN_WARPS)
 
 
-@pytest.mark.parametrize("policy, native, hidden, eager", [
-    ("bf16", False, 5376, True), ("bf16", False, 128, True), ("bf16", False, 101, False), ("bf16", True, 5376, False),
-    ("fp32", False, 5376, False)])
-def test_the_norm_sums_in_eager_order_for_the_torch_rms_norm_under_bf16(policy, native, hidden, eager):
-    """``EAGER_NORM_SUM`` for ``nn.RMSNorm`` / ``F.rms_norm`` (one rounding) under ``bf16`` where eager's fused
-    RMSNorm takes its vectorized path (H a multiple of 4); not for the native spelling (another eager
-    kernel), nor under ``fp32``; never for site C (no norm)."""
+@pytest.mark.parametrize("policy, native, hidden, rows, order", [
+    ("bf16", False, 5376, 3, 1), ("bf16", False, 128, None, 1), ("bf16", False, 101, 4096, 0),
+    ("bf16", True, 5376, 4096, 2), ("bf16", True, 5376, None, 2), ("bf16", True, 5376, 15, 0),
+    ("bf16", True, 64, 4096, 0), ("bf16", True, 16384, 4096, 0), ("fp32", False, 5376, 4096, 0),
+    ("fp32", True, 5376, 4096, 0)])
+def test_the_norm_sums_in_the_order_of_the_eager_kernel_the_spelling_runs(policy, native, hidden, rows, order):
+    """``NORM_SUM_ORDER`` under ``bf16``: 1 (torch's fused RMSNorm) for ``nn.RMSNorm`` / ``F.rms_norm`` and 2
+    (torch's mean) for the native RMSNorm, where eager takes the path reproduced (H a multiple of 4; for the
+    mean 16 rows or more, or a symbolic count, and H from 128 to 8,192); else 0, the kernel's own; never under
+    ``fp32`` nor for site C (no norm)."""
     from h3_fused.kernels.arguments import check_args
     from h3_fused.kernels.launch import LaunchConfig, specialisation
 
@@ -73,18 +80,19 @@ def test_the_norm_sums_in_eager_order_for_the_torch_rms_norm_under_bf16(policy, 
                       norm_rounds_before_weight=native) if has_norm else dict(
             residual=t["x"], branch=t["branch"], gate=t["gate"], index=t["index"])
         a = check_args(**kwargs, policy=policy, has_norm=has_norm)
-        flags = specialisation(hidden, not has_norm, has_norm, has_norm, a.rounding, LaunchConfig(1, 512, 4), False)
-        assert flags["EAGER_NORM_SUM"] == (eager and has_norm), site
+        flags = specialisation(hidden, not has_norm, has_norm, has_norm, a.rounding, LaunchConfig(1, 512, 4), False,
+                               rows)
+        assert flags["NORM_SUM_ORDER"] == (order if has_norm else 0), site
 
 
-def test_a_chunk_wider_than_eager_order_allows_is_refused():
+def test_a_chunk_other_than_the_eager_order_needs_is_refused():
     from h3_fused.kernels.arguments import check_args
     from h3_fused.kernels.launch import LaunchConfig, launch_modulation
 
     t = make(tokens=4, hidden=1024)
     a = check_args(x=t["x"], weight=t["weight"], shift=t["shift"], scale=t["scale"], index=t["index"],
                    policy="bf16", has_norm=True)
-    with pytest.raises(ValueError, match="config.chunk=1024"):
+    with pytest.raises(ValueError, match="config.chunk=1024: .* holds 512 columns"):
         launch_modulation(a, None, torch.empty_like(t["x"]), lambda kernel: kernel, LaunchConfig(1, 1024, 4))
 
 

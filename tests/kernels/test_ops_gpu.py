@@ -45,6 +45,28 @@ def test_bf16_policy_matches_eager_at_other_widths(site, hidden, tokens):
     _assert_bf16_policy_matches_eager(site, fused_site(site, "bf16")(**inputs), eager_site(site)(**inputs))
 
 
+def _native_rms_norm(x, weight, eps):
+    """The native RMSNorm (vLLM's spelling): ``x.float().pow(2).mean(-1)``, rounded before the weight."""
+    variance = x.float().pow(2).mean(-1, keepdim=True)
+    return (x.float() * torch.rsqrt(variance + eps)).to(x.dtype) * weight
+
+
+@pytest.mark.parametrize("tokens", [16, 3072, 15808])
+@pytest.mark.parametrize("hidden", [128, 200, 1024, 5376, 8192])
+def test_bf16_policy_matches_the_native_rms_norm_from_16_rows(hidden, tokens):
+    """The native spelling's mean sums in the order of torch's generic reduction (one warp a row from 16 rows
+    on): site B's ``y`` bit for bit."""
+    from h3_fused.kernels import gate_norm_modulate
+
+    inputs = make_inputs("B", tokens, hidden, seed=hidden)
+    idx = inputs["index"]
+    u = (inputs["residual"] + inputs["gate"].index_select(0, idx) * inputs["branch"]).to(torch.bfloat16)
+    n = _native_rms_norm(u, inputs["weight"], inputs["eps"])
+    ref_y = (n * (1.0 + inputs["scale"].index_select(0, idx)) + inputs["shift"].index_select(0, idx)).to(u.dtype)
+    got_u, got_y = gate_norm_modulate(**inputs, policy="bf16", norm_rounds_before_weight=True)
+    assert torch.equal(got_u, u) and torch.equal(got_y, ref_y), f"y differs on {_diff(got_y, ref_y):.2e}"
+
+
 @pytest.mark.parametrize("hidden", [1, 101, 4097])
 def test_bf16_policy_at_widths_eager_reduces_otherwise(hidden):
     """At ``H`` not a multiple of 4 eager's RMSNorm takes another kernel, whose order the fused kernel does not
