@@ -1,7 +1,7 @@
 """A/B harness: forward-kernel variants timed side by side in one process, and whether their outputs agree.
 
     python benchmarks/ab.py --cases A:3072 A:15808 B:15808 [--policies bf16 fp32]
-        [--configs shipped w8 w4_preload ...] [--baseline DIR] [--no-index-check]
+        [--configs shipped w8 w4_preload ...] [--baseline DIR] [--no-index-check] [--native]
         [--index uniform runs] [--hidden 5376] [--rounds 7] [--flush write|read]
 
 Every variant of a case writes into the same output buffers (``sites.kernel_launch``) and is timed with
@@ -9,7 +9,8 @@ Every variant of a case writes into the same output buffers (``sites.kernel_laun
 and its difference to the first. Variants: the launch configurations named in ``--configs`` (``CONFIGS``);
 with ``--baseline DIR``, the shipped configuration of another commit's kernel (``DIR`` holds that commit's
 ``kernels/`` files: ``git archive REV kernels | tar -x --strip-components=1 -C DIR``); with
-``--no-index-check``, the shipped configuration built without the device-side index assertion. Results:
+``--no-index-check``, the shipped configuration built without the device-side index assertion. ``--native``:
+the sites' norm in the native spelling (``norm_rounds_before_weight``; under ``bf16`` its own sum order). Results:
 ``benchmarks/results/ab.json`` (overwritten).
 """
 
@@ -31,14 +32,14 @@ from sites import (
 from timing import alternating_medians, relative_times, write_results
 
 
-def configurations(site: str, tokens: int, hidden: int, policy: str) -> dict:
+def configurations(site: str, tokens: int, hidden: int, policy: str, native: bool = False) -> dict:
     """Named launch configurations under ``policy``: the shipped one, ``w{2,4,8}`` (one 16-byte vector per thread
     and chunk on that many warps; the shipped chunk where the norm's sum takes eager's order), each
     also with ``_preload`` (table chunks one early), and any of them with ``_warm`` (warming programs first) or
     ``_nowarm`` (no warming of coming rows)."""
     from h3_fused.kernels.launch import LaunchConfig
 
-    named = {"shipped": shipped_launch_config(site, hidden, tokens, policy)}
+    named = {"shipped": shipped_launch_config(site, hidden, tokens, policy, native)}
     fixed = named["shipped"].chunk if policy == "bf16" and site != "C" else None  # the order's chunk
     for warps, preload in itertools.product((2, 4, 8), (False, True)):
         named[f"w{warps}" + "_preload" * preload] = LaunchConfig(1, fixed or 32 * warps * 8, warps, preload)
@@ -68,6 +69,7 @@ def main():
     parser.add_argument("--configs", nargs="+", default=["shipped"])
     parser.add_argument("--baseline", help="a folder with another commit's kernels/ files")
     parser.add_argument("--no-index-check", action="store_true")
+    parser.add_argument("--native", action="store_true", help="the native RMSNorm spelling at sites A and B")
     parser.add_argument("--index", nargs="+", default=["uniform"], choices=INDEX_LAYOUTS)
     parser.add_argument("--hidden", type=int, default=5376)
     parser.add_argument("--rounds", type=int, default=7)
@@ -80,8 +82,10 @@ def main():
         site, tokens = case.split(":")
         tokens = int(tokens)
         inputs = make_inputs(site, tokens, args.hidden, index_layout=layout)
+        if args.native and site != "C":
+            inputs["norm_rounds_before_weight"] = True
         for policy in args.policies:
-            configs = configurations(site, tokens, args.hidden, policy)
+            configs = configurations(site, tokens, args.hidden, policy, args.native and site != "C")
             unknown = set(args.configs) - set(configs)
             if unknown:
                 parser.error(f"unknown configurations {sorted(unknown)}; known: {sorted(configs)}")
@@ -90,7 +94,7 @@ def main():
             medians = alternating_medians(runs, args.rounds, args.flush)
             print(f"{site} H={args.hidden} T={tokens:6d} {layout:7s} {policy}: "
                   + relative_times(medians, next(iter(medians))) + f"; outputs identical: {agree}", flush=True)
-            rows.append(dict(site=site, T=tokens, H=args.hidden, index=layout, policy=policy, us=medians,
+            rows.append(dict(site=site, T=tokens, H=args.hidden, index=layout, policy=policy, native=args.native, us=medians,
                              outputs_identical=agree, shipped=repr(configs["shipped"])))
     write_results(args.out, rows)
 

@@ -112,16 +112,17 @@ def kernel_launch(site: str, inputs: dict, policy: str, wrap=lambda kernel: kern
     return launch
 
 
-def shipped_launch_config(site: str, hidden: int, rows: int | None, policy: str):
+def shipped_launch_config(site: str, hidden: int, rows: int | None, policy: str, native: bool = False):
     """The configuration ``launch_config`` picks for ``site`` (A: a norm; B: a gate and a norm; C: a gate) at
     ``hidden`` columns and ``rows`` rows (None: a symbolic count) under ``policy`` for bf16 tables and the
-    ``nn.RMSNorm`` spelling (under ``bf16`` the norm's squares add in eager's order)."""
+    ``nn.RMSNorm`` spelling, or the native one (``native``); under ``bf16`` the norm's squares add in the
+    order of the eager kernel the spelling runs."""
     from h3_fused.kernels.contract import rounding_for
     from h3_fused.kernels.launch import launch_config, norm_sum_order
 
     gate, norm = site != "A", site != "C"
     rounding = rounding_for(policy, torch.bfloat16, torch.bfloat16 if gate else None, torch.bfloat16 if norm else None,
-                            norm_rounds_before_weight=False, upcast_tables=False)
+                            norm_rounds_before_weight=native, upcast_tables=False)
     return launch_config(hidden, gate, norm, rows, norm_sum_order(rounding, hidden, norm, rows))
 
 
