@@ -1,8 +1,9 @@
 """The dtype-boundary policies and how ``"auto"`` resolves on a device.
 
 ``bf16``  every rounding the unfused (eager) graph performs happens at the same point, with no FMA
-          contraction across a rounding point: bit-compatible with eager up to the fp32 sum order in
-          the norm.
+          contraction across a rounding point, and on CUDA the norm's fp32 sum in the order of the eager
+          kernel the spelling runs, where reproduced (``contract.Rounding.norm_sum_order``): bit-identical
+          to eager there, elsewhere up to the order of that sum.
 ``fp32``  the gated residual is rounded where the graph stores it (the exact ``res + gate*branch``
           rounded once); everything after it stays fp32 and the output is rounded once.
 ``auto``  ``bf16`` on CUDA devices of compute capability 9.x (H100/H200), where the public H3 accuracy
