@@ -28,6 +28,7 @@ from sites import (
     load_kernel_module,
     make_inputs,
     shipped_launch_config,
+    shipped_sum_order,
 )
 from timing import alternating_medians, relative_times, write_results
 
@@ -37,10 +38,10 @@ def configurations(site: str, tokens: int, hidden: int, policy: str, native: boo
     and chunk on that many warps; the shipped chunk where the norm's sum takes eager's order), each
     also with ``_preload`` (table chunks one early), and any of them with ``_warm`` (warming programs first) or
     ``_nowarm`` (no warming of coming rows)."""
-    from h3_fused.kernels.launch import LaunchConfig
+    from h3_fused.kernels.launch import LaunchConfig, sum_order_chunk
 
     named = {"shipped": shipped_launch_config(site, hidden, tokens, policy, native)}
-    fixed = named["shipped"].chunk if policy == "bf16" and site != "C" else None  # the order's chunk
+    fixed = sum_order_chunk(hidden, shipped_sum_order(site, hidden, tokens, policy, native))  # None: any chunk
     for warps, preload in itertools.product((2, 4, 8), (False, True)):
         named[f"w{warps}" + "_preload" * preload] = LaunchConfig(1, fixed or 32 * warps * 8, warps, preload)
     for name, config in list(named.items()):
@@ -82,10 +83,11 @@ def main():
         site, tokens = case.split(":")
         tokens = int(tokens)
         inputs = make_inputs(site, tokens, args.hidden, index_layout=layout)
-        if args.native and site != "C":
+        native = args.native and site != "C"
+        if native:
             inputs["norm_rounds_before_weight"] = True
         for policy in args.policies:
-            configs = configurations(site, tokens, args.hidden, policy, args.native and site != "C")
+            configs = configurations(site, tokens, args.hidden, policy, native)
             unknown = set(args.configs) - set(configs)
             if unknown:
                 parser.error(f"unknown configurations {sorted(unknown)}; known: {sorted(configs)}")

@@ -61,11 +61,12 @@ def stand_in_config() -> H3Config:
 
 
 def stand_in(tokens: int):
-    """The stand-in and a call of it on ``tokens`` rows: ``(model, call)``; the call returns a tuple."""
+    """The stand-in, a call of it on ``tokens`` rows and its width: ``(model, call, hidden)``; the call returns a
+    tuple."""
     cfg = stand_in_config()
     model = init_weights(H3Model(cfg, device=DEVICE))
     latents, layout = example_inputs(cfg, tokens, device=DEVICE)
-    return model, lambda m: (m(latents, layout),)
+    return model, lambda m: (m(latents, layout),), cfg.hidden_size
 
 
 def diffusers_client(tokens: int):
@@ -81,7 +82,7 @@ def diffusers_client(tokens: int):
         out = m(**inputs)
         return out.sample, out.audio_sample
 
-    return model, call
+    return model, call, model.config.hidden_size
 
 
 CLIENTS = {"stand-in": stand_in, "diffusers": diffusers_client}
@@ -130,7 +131,7 @@ def main():
     cases = [(c, t) for c in args.clients for t in args.tokens]
     for client, tokens in tqdm(cases, desc="exactness"):
         release()
-        model, call = CLIENTS[client](tokens)
+        model, call, hidden = CLIENTS[client](tokens)
         with torch.no_grad():
             expected = call(model)
             for mode in args.modes:
@@ -138,12 +139,12 @@ def main():
                     release()
                     got = call(compiled(model, mode, variant))
                     share = mismatch(got, expected)
-                    rows.append(dict(client=client, kind="forward", hidden=model.config.hidden_size if client ==
-                                     "diffusers" else model.cfg.hidden_size, tokens=tokens, blocks=BLOCKS, mode=mode,
-                                     variant=variant, policy="bf16", outputs_equal=share == 0, mismatch=share))
+                    rows.append(dict(client=client, kind="forward", hidden=hidden, tokens=tokens, blocks=BLOCKS,
+                                     mode=mode, variant=variant, policy="bf16", outputs_equal=share == 0,
+                                     mismatch=share))
                     print(f"{client} T={tokens} {mode} {variant}: mismatch {share:.2e}", flush=True)
                     if mode == "regional":  # undo the in-place regional compile for the next variant
-                        model, call = CLIENTS[client](tokens)
+                        model, call, _ = CLIENTS[client](tokens)
                         expected_again = call(model)
                         assert all(torch.equal(a, b) for a, b in zip(expected_again, expected)), "eager not repeatable"
         del model, call

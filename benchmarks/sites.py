@@ -112,18 +112,30 @@ def kernel_launch(site: str, inputs: dict, policy: str, wrap=lambda kernel: kern
     return launch
 
 
-def shipped_launch_config(site: str, hidden: int, rows: int | None, policy: str, native: bool = False):
-    """The configuration ``launch_config`` picks for ``site`` (A: a norm; B: a gate and a norm; C: a gate) at
-    ``hidden`` columns and ``rows`` rows (None: a symbolic count) under ``policy`` for bf16 tables and the
-    ``nn.RMSNorm`` spelling, or the native one (``native``); under ``bf16`` the norm's squares add in the
-    order of the eager kernel the spelling runs."""
+def site_rounding(site: str, policy: str, native: bool = False):
+    """The ``contract.Rounding`` of ``site`` under ``policy`` with bf16 activations and tables, for the
+    ``nn.RMSNorm`` spelling or the native one (``native``)."""
     from h3_fused.kernels.contract import rounding_for
-    from h3_fused.kernels.launch import launch_config, norm_sum_order
 
     gate, norm = site != "A", site != "C"
-    rounding = rounding_for(policy, torch.bfloat16, torch.bfloat16 if gate else None, torch.bfloat16 if norm else None,
-                            norm_rounds_before_weight=native, upcast_tables=False)
-    return launch_config(hidden, gate, norm, rows, norm_sum_order(rounding, hidden, norm, rows))
+    return rounding_for(policy, torch.bfloat16, torch.bfloat16 if gate else None, torch.bfloat16 if norm else None,
+                        norm_rounds_before_weight=native, upcast_tables=False)
+
+
+def shipped_sum_order(site: str, hidden: int, rows: int | None, policy: str, native: bool = False) -> int:
+    """The ``NORM_SUM_ORDER`` the launch picks for ``site`` (see ``site_rounding``) at ``rows`` rows."""
+    from h3_fused.kernels.launch import norm_sum_order
+
+    return norm_sum_order(site_rounding(site, policy, native), hidden, site != "C", rows)
+
+
+def shipped_launch_config(site: str, hidden: int, rows: int | None, policy: str, native: bool = False):
+    """The configuration ``launch_config`` picks for ``site`` (A: a norm; B: a gate and a norm; C: a gate) at
+    ``hidden`` columns and ``rows`` rows (None: a symbolic count) under ``policy`` (see ``site_rounding``);
+    under ``bf16`` the norm's squares add in the order of the eager kernel the spelling runs."""
+    from h3_fused.kernels.launch import launch_config
+
+    return launch_config(hidden, site != "A", site != "C", rows, shipped_sum_order(site, hidden, rows, policy, native))
 
 
 def identical_outputs(outputs, others) -> bool:

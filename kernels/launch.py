@@ -139,14 +139,14 @@ def warming_program_count(a: ModulationArgs, lanes: int) -> int:
 
 
 def specialisation(hidden: int, has_gate: bool, has_norm: bool, has_weight: bool, rounding: Rounding,
-                   config: LaunchConfig, interpreted: bool, rows: int | None = None) -> dict:
-    """The kernel's constexpr arguments for one site, rounding and launch configuration, for ``rows`` rows
-    (None: a symbolic count)."""
+                   config: LaunchConfig, interpreted: bool, sum_order: int = 0) -> dict:
+    """The kernel's constexpr arguments for one site, rounding, launch configuration and norm sum order
+    (``norm_sum_order``'s)."""
     return dict(
         HIDDEN=hidden, HAS_GATE=has_gate, HAS_NORM=has_norm, HAS_WEIGHT=has_weight,
         ROUND_GATE=rounding.gate_product, ROUND_NORM=rounding.norm_output,
         ROUND_NORM_BEFORE_WEIGHT=rounding.norm_before_weight, ROUND_AFFINE=rounding.affine,
-        FUSE_MULTIPLY_ADD=rounding.fused_multiply_add, NORM_SUM_ORDER=norm_sum_order(rounding, hidden, has_norm, rows),
+        FUSE_MULTIPLY_ADD=rounding.fused_multiply_add, NORM_SUM_ORDER=sum_order,
         INTERPRETED=interpreted, BLOCK_T=config.block_t,
         CHUNK=config.chunk,
         PRELOAD_TABLE_CHUNKS=config.preload_table_chunks and has_norm,  # no tables without a norm: one build of C
@@ -172,6 +172,9 @@ def launch_modulation(a: ModulationArgs, u: torch.Tensor | None, y: torch.Tensor
     sum_order = norm_sum_order(a.rounding, a.hidden, a.scale is not None, rows)
     if config is None:
         config = launch_config(a.hidden, a.gate is not None, a.scale is not None, rows, sum_order)
+    elif sum_order and config.chunk != sum_order_chunk(a.hidden, sum_order):
+        raise ValueError(f"config.chunk={config.chunk}: where the norm's squares add in an eager kernel's order a "
+                         f"chunk holds {sum_order_chunk(a.hidden, sum_order)} columns at H={a.hidden}")
     rows_alias = a.x if a.x is not None else a.residual
     table_alias = a.gate if a.gate is not None else a.scale
 
@@ -181,10 +184,6 @@ def launch_modulation(a: ModulationArgs, u: torch.Tensor | None, y: torch.Tensor
     def table_or_alias(t):
         return table_alias if t is None else t
 
-    needed = sum_order_chunk(a.hidden, sum_order)
-    if needed is not None and config.chunk != needed:
-        raise ValueError(f"config.chunk={config.chunk}: where the norm's squares add in an eager kernel's order a "
-                         f"chunk holds {needed} columns at H={a.hidden}")
     x, res, branch = rows_or_alias(a.x), rows_or_alias(a.residual), rows_or_alias(a.branch)
     gate, shift, scale = table_or_alias(a.gate), table_or_alias(a.shift), table_or_alias(a.scale)
     warming = warming_program_count(a, config.warming_lanes) if config.warm_tables_first else 0
@@ -194,6 +193,6 @@ def launch_modulation(a: ModulationArgs, u: torch.Tensor | None, y: torch.Tensor
         a.rows, a.num_table_rows, a.eps,
         x.stride(0), res.stride(0), branch.stride(0), gate.stride(0), shift.stride(0), scale.stride(0),
         **specialisation(a.hidden, a.gate is not None, a.scale is not None, a.weight is not None, a.rounding,
-                         config, interpreting(), rows),
+                         config, interpreting(), sum_order),
         num_warps=config.num_warps,
     )

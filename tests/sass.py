@@ -14,12 +14,10 @@ import re
 import subprocess
 import tempfile
 
-import torch
 import triton
-from h3_fused.kernels.contract import rounding_for
 from h3_fused.kernels.forward_kernel import modulation_kernel
 from h3_fused.kernels.launch import specialisation
-from sites import shipped_launch_config
+from sites import shipped_launch_config, shipped_sum_order, site_rounding
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
@@ -35,9 +33,8 @@ def compile_site(site: str, policy: str, hidden: int, config=None, index: str = 
     Triton does with a value of 1 (e.g. ``{"n_rows": 1}``)."""
     gate, norm = site in "BC", site in "AB"
     config = config or shipped_launch_config(site, hidden, None, policy)
-    r = rounding_for(policy, torch.bfloat16, torch.bfloat16 if gate else None, torch.bfloat16 if norm else None,
-                     norm_rounds_before_weight=False, upcast_tables=False)
-    constants = specialisation(hidden, gate, norm, norm, r, config, interpreted=False) | (constants or {})
+    constants = specialisation(hidden, gate, norm, norm, site_rounding(site, policy), config, False,
+                               shipped_sum_order(site, hidden, None, policy)) | (constants or {})
     signature = {name: "*bf16" for name in POINTERS} | {"idx_ptr": f"*{index}"} | SCALARS
     signature |= {name: "constexpr" for name in constants}
     names = modulation_kernel.arg_names

@@ -72,7 +72,7 @@ def test_the_norm_sums_in_the_order_of_the_eager_kernel_the_spelling_runs(policy
     mean 16 rows or more, or a symbolic count, and H from 128 to 8,192); else 0, the kernel's own; never under
     ``fp32`` nor for site C (no norm)."""
     from h3_fused.kernels.arguments import check_args
-    from h3_fused.kernels.launch import LaunchConfig, specialisation
+    from h3_fused.kernels.launch import LaunchConfig, norm_sum_order, specialisation
 
     t = make(tokens=4, hidden=hidden)
     for site, has_norm in (("A", True), ("C", False)):
@@ -81,7 +81,7 @@ def test_the_norm_sums_in_the_order_of_the_eager_kernel_the_spelling_runs(policy
             residual=t["x"], branch=t["branch"], gate=t["gate"], index=t["index"])
         a = check_args(**kwargs, policy=policy, has_norm=has_norm)
         flags = specialisation(hidden, not has_norm, has_norm, has_norm, a.rounding, LaunchConfig(1, 512, 4), False,
-                               rows)
+                               norm_sum_order(a.rounding, hidden, has_norm, rows))
         assert flags["NORM_SUM_ORDER"] == (order if has_norm else 0), site
 
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 from exact_rounding import assert_fp32_gated_residual_rounds_once
 from h3_fused.kernels.reference import sum_rounded_once
+from helpers import eager_gate, eager_modulate, eager_norm
 from sites import eager_site, fused_site, make_inputs
 
 pytestmark = pytest.mark.gpu
@@ -45,12 +46,6 @@ def test_bf16_policy_matches_eager_at_other_widths(site, hidden, tokens):
     _assert_bf16_policy_matches_eager(site, fused_site(site, "bf16")(**inputs), eager_site(site)(**inputs))
 
 
-def _native_rms_norm(x, weight, eps):
-    """The native RMSNorm (vLLM's spelling): ``x.float().pow(2).mean(-1)``, rounded before the weight."""
-    variance = x.float().pow(2).mean(-1, keepdim=True)
-    return (x.float() * torch.rsqrt(variance + eps)).to(x.dtype) * weight
-
-
 @pytest.mark.parametrize("tokens", [16, 3072, 15808])
 @pytest.mark.parametrize("hidden", [128, 200, 1024, 5376, 8192])
 def test_bf16_policy_matches_the_native_rms_norm_from_16_rows(hidden, tokens):
@@ -59,10 +54,9 @@ def test_bf16_policy_matches_the_native_rms_norm_from_16_rows(hidden, tokens):
     from h3_fused.kernels import gate_norm_modulate
 
     inputs = make_inputs("B", tokens, hidden, seed=hidden)
-    idx = inputs["index"]
-    u = (inputs["residual"] + inputs["gate"].index_select(0, idx) * inputs["branch"]).to(torch.bfloat16)
-    n = _native_rms_norm(u, inputs["weight"], inputs["eps"])
-    ref_y = (n * (1.0 + inputs["scale"].index_select(0, idx)) + inputs["shift"].index_select(0, idx)).to(u.dtype)
+    u = eager_gate(inputs["residual"], inputs["gate"], inputs["branch"], inputs["index"], upcast=False)
+    ref_y = eager_modulate(eager_norm(u, inputs["weight"], inputs["eps"], native=True), inputs["shift"],
+                           inputs["scale"], inputs["index"], upcast=False)
     got_u, got_y = gate_norm_modulate(**inputs, policy="bf16", norm_rounds_before_weight=True)
     assert torch.equal(got_u, u) and torch.equal(got_y, ref_y), f"y differs on {_diff(got_y, ref_y):.2e}"
 
