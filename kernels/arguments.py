@@ -2,7 +2,7 @@
 
 Every op reads activations ``[..., H]`` as ``R`` rows of ``H`` (row-strided views are read in place;
 other layouts are copied), tables ``[K, H]`` with any row stride, and an int32/int64 ``index`` shaped
-like the activations without the last dim. Bad input raises ``ValueError``/``TypeError`` naming the
+like the activations without the last dim (read as ``R`` contiguous entries: other layouts are copied). Bad input raises ``ValueError``/``TypeError`` naming the
 argument.
 """
 
@@ -133,6 +133,6 @@ def check_args(*, x=None, residual=None, branch=None, gate=None, weight=None, sh
         residual=as_rows("residual", residual, hidden) if residual is not None else None,
         branch=as_rows("branch", branch, hidden) if branch is not None else None,
         gate=tables.get("gate"), weight=weight, shift=tables.get("shift"), scale=tables.get("scale"),
-        index=index.reshape(-1), out_shape=shape, dtype=dtype, device=device, eps=float(eps),
+        index=index.reshape(-1).contiguous(), out_shape=shape, dtype=dtype, device=device, eps=float(eps),
         policy=resolved, rounding=rounding,
     )

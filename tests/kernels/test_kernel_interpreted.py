@@ -79,6 +79,20 @@ def test_an_out_of_range_index_raises_naming_the_row():
         norm_modulate(x, None, t[0], t[1], idx + 3, eps=1e-5, policy="bf16")
 
 
+def test_an_index_of_another_layout_is_read_as_its_rows():
+    """An index view with a stride of 2 (every other entry of a longer index) reads the entries it shows."""
+    x, br, w, t, _ = site_inputs(7, 64)
+    idx = torch.randint(0, 3, (14,), generator=torch.Generator().manual_seed(3))
+    strided, dense = idx[::2], idx[::2].contiguous()
+    assert strided.stride() == (2,)
+    kw = dict(eps=1e-5, policy="bf16")
+    assert torch.equal(norm_modulate(x, w, t[0], t[1], strided, **kw), norm_modulate(x, w, t[0], t[1], dense, **kw))
+    for got, expected in zip(gate_norm_modulate(x, t[2], br, w, t[0], t[1], strided, **kw),
+                             gate_norm_modulate(x, t[2], br, w, t[0], t[1], dense, **kw)):
+        assert torch.equal(got, expected)
+    assert torch.equal(gate_residual(x, t[2], br, strided), gate_residual(x, t[2], br, dense))
+
+
 @pytest.mark.parametrize("dtype", [bf16, torch.float16])
 def test_fp32_gated_residual_rounds_once(dtype):
     """The kernel's interpreted path (TwoSum, round-to-odd) on the ties where fp32 would round twice."""
