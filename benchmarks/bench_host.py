@@ -1,16 +1,16 @@
 """Host time per call of each way to run a site, and where the calls spend it.
 
-    python benchmarks/bench_host.py [--sites A B C] [--tokens 3072] [--calls 300]
-        [--profile public_op dispatched_op check_args bare_launch in_graph]
+    python benchmarks/bench_host.py [--sites A B C] [--tokens 3072] [--calls 300] [--profile WAY ...]
 
 For each site: the microseconds of host time per call, ``--calls`` calls back to back with one
 synchronisation at the end (a call that outruns the GPU queues work, so this is the host's rate, not
 the device's), for the public function (``public_op``: ``h3_fused.kernels.norm_modulate`` etc.; in eager
 the op's body without the dispatcher: argument checks, output allocation, launch), the op through the
 dispatcher (``dispatched_op``: ``torch.ops.h3_fused.*``, as a tracer or mode sees it), the argument checks
-alone (``check_args``), the bare launch
-(``bare_launch``: ``sites.kernel_launch``, arguments checked once, outputs allocated once, Triton's
-launcher only) and the op inside a compiled graph (``in_graph``); then the ``cProfile`` of the calls of
+alone (``check_args``), the launch as the benchmarks time kernels
+(``bare_launch``: ``sites.kernel_launch``, arguments checked once, outputs allocated once, the launch worked
+out per call), Triton's launcher alone (``triton_launch``: the launch worked out once, ``kernel[grid](...)``
+per call; what a direct call is measured against) and the op inside a compiled graph (``in_graph``); then the ``cProfile`` of the calls of
 each way named in ``--profile``, the functions with the most own time first.
 """
 
@@ -24,7 +24,18 @@ import time
 
 import torch
 from h3_fused.kernels.arguments import check_args
+from h3_fused.kernels.launch import plan_launch
 from sites import fused_site, kernel_launch, make_inputs
+
+WAYS = ["public_op", "dispatched_op", "check_args", "bare_launch", "triton_launch", "in_graph"]
+
+
+def triton_launch(site: str, inputs: dict, outputs):
+    """A call of Triton's launcher alone: the launch of ``inputs`` into ``outputs`` worked out once."""
+    a = check_args(**inputs, policy="bf16", has_norm=site != "C")
+    launch = plan_launch(a)
+    tensors = tuple(getattr(a, name) for name in launch.slots)
+    return lambda: launch(tensors, *outputs, lambda kernel: kernel)
 
 
 def host_us_per_call(call, calls: int) -> float:
@@ -45,7 +56,7 @@ def main():
     parser.add_argument("--tokens", type=int, default=3072)
     parser.add_argument("--calls", type=int, default=300)
     parser.add_argument("--profile", nargs="*", default=["public_op", "in_graph"],
-                        choices=["public_op", "dispatched_op", "check_args", "bare_launch", "in_graph"])
+                        choices=WAYS)
     parser.add_argument("--profile-lines", type=int, default=25)
     args = parser.parse_args()
     for site in args.sites:
@@ -53,9 +64,11 @@ def main():
         op = fused_site(site, "bf16")
         compiled = torch.compile(fused_site(site, "bf16"))
         dispatched = fused_site(site, "bf16", dispatcher=True)
+        bare = kernel_launch(site, inputs, "bf16")
         ways = {"public_op": lambda: op(**inputs), "dispatched_op": lambda: dispatched(**inputs),
                 "check_args": lambda: check_args(**inputs, policy="bf16", has_norm=site != "C"),
-                "bare_launch": kernel_launch(site, inputs, "bf16"), "in_graph": lambda: compiled(**inputs)}
+                "bare_launch": bare, "triton_launch": triton_launch(site, inputs, bare.outputs),
+                "in_graph": lambda: compiled(**inputs)}
         times = {name: host_us_per_call(call, args.calls) for name, call in ways.items()}
         print(f"{site} T={args.tokens}: " + "  ".join(f"{name} {us:6.1f} us" for name, us in times.items()),
               flush=True)

@@ -45,6 +45,15 @@ def check_table(name: str, t: object, hidden: int) -> torch.Tensor:
     return t if t.stride(1) == 1 else t.contiguous()
 
 
+def check_index_on_host(index: torch.Tensor, num_table_rows: int) -> None:
+    """Raise ``IndexError`` naming the first entry of ``index`` outside ``[0, num_table_rows)`` (where the kernel
+    cannot raise: under the interpreter, and before the reference's gathers, whose error names no row)."""
+    bad = (index < 0) | (index >= num_table_rows)
+    if bool(bad.any()):
+        first = int(bad.nonzero()[0, 0])
+        raise IndexError(f"index out of range: index[{first}] = {int(index[first])} is not in [0, {num_table_rows})")
+
+
 @dataclass(frozen=True)
 class ModulationArgs:
     """Checked, flattened arguments of one fused call (``None`` where a site does not use one)."""

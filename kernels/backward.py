@@ -15,17 +15,10 @@ from __future__ import annotations
 import torch
 from torch.library import custom_op
 
-from .arguments import ModulationArgs, as_rows, check_args
+from .arguments import ModulationArgs, as_rows, check_args, check_index_on_host
+from .launch import triton_allowed
 from .launch_backward import Needs, launch_backward
-from .ops import (
-    PublicOp,
-    check_index_on_host,
-    gate_norm_modulate,
-    gate_residual,
-    launch_context,
-    norm_modulate,
-    triton_allowed,
-)
+from .ops import PublicOp, gate_norm_modulate, gate_residual, launch_context, norm_modulate
 from .reference import reference_backward
 
 Tensor = torch.Tensor
@@ -70,7 +63,7 @@ def reference_modulation_backward(
     """Pure-torch gradients of any site (``reference.reference_backward``), as ``modulation_backward`` returns them."""
     a = _forward_args(u, branch, gate, weight, shift, scale, index, dy, du, eps, policy, norm_rounds_before_weight,
                       upcast_tables)
-    check_index_on_host(a)
+    check_index_on_host(a.index, a.num_table_rows)
     grads = reference_backward(a, _rows(u, a, "u"), _rows(dy, a, "dy"), _rows(du, a, "du"), Needs(*needs))
     return _outputs(a, grads)
 
@@ -100,7 +93,7 @@ def _backward_body(
     if a.rows == 0 or a.hidden == 0 or not triton_allowed(a.device, a.dtype):
         return torch.ops.h3_fused.reference_modulation_backward(**raw, needs=needs)
     if a.device.type == "cpu":  # the Triton interpreter: validate indices on the host
-        check_index_on_host(a)
+        check_index_on_host(a.index, a.num_table_rows)
     with launch_context(a.device, (*raw.values(), needs)) as wrap:
         grads = launch_backward(a, _rows(u, a, "u"), _rows(dy, a, "dy"), _rows(du, a, "du"), Needs(*needs), wrap)
     return _outputs(a, grads)

@@ -155,19 +155,46 @@ def specialisation(hidden: int, has_gate: bool, has_norm: bool, has_weight: bool
     )
 
 
+def triton_allowed(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the Triton kernels run for tensors of ``dtype`` on ``device`` (else the pure-torch reference):
+    on CUDA, and on CPU tensors under the Triton interpreter; not for fp64, which only the reference takes."""
+    return dtype != torch.float64 and (device.type == "cuda" or (device.type == "cpu" and interpreting()))
+
+
 def interpreting() -> bool:
     """Whether Triton runs kernels in its interpreter (``TRITON_INTERPRET=1``), on CPU tensors."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def launch_modulation(a: ModulationArgs, u: torch.Tensor | None, y: torch.Tensor | None, wrap,
-                      config: LaunchConfig | None = None):
-    """Run ``modulation_kernel`` for ``a`` into ``u``/``y`` (``wrap`` = ``torch.library.wrap_triton``, or the
-    identity for a direct launch) with ``config`` (default: ``launch_config``'s). Returns what the launch
-    returns (the compiled kernel, for a direct launch).
+@dataclass(frozen=True)
+class KernelLaunch:
+    """One launch of ``modulation_kernel`` worked out for the arguments of a ``ModulationArgs``: everything but
+    the tensors, so that calls on arguments of the same layout can share it (``direct_call.py``).
 
-    Arguments a site does not use are passed as an alias of one it does; the kernel never reads them.
+    - ``slots``: the ``ModulationArgs`` field each of the kernel's eight tensor inputs reads (``x``, residual,
+      branch, gate, weight, shift, scale, index); a site without one passes an alias of one it has, which the
+      kernel never reads;
+    - ``scalars``: the row count, the tables' row count, ``eps`` and the six row strides (x, residual,
+      branch, gate, shift, scale);
+    - ``grid``, ``num_warps`` and the constexprs (``specialisation``'s).
     """
+
+    slots: tuple[str, ...]
+    scalars: tuple
+    grid: tuple
+    num_warps: int
+    constexprs: dict
+
+    def __call__(self, tensors, u: torch.Tensor | None, y: torch.Tensor | None, wrap):
+        """Launch on ``tensors`` (one per slot) into ``u``/``y`` (``wrap``: ``torch.library.wrap_triton``, or the
+        identity for a direct launch); returns what the launch returns (the compiled kernel, launched directly)."""
+        return wrap(modulation_kernel)[self.grid](
+            *tensors, y if u is None else u, u if y is None else y, *self.scalars, **self.constexprs,
+            num_warps=self.num_warps)
+
+
+def plan_launch(a: ModulationArgs, config: LaunchConfig | None = None) -> KernelLaunch:
+    """The launch of ``modulation_kernel`` for ``a`` with ``config`` (default: ``launch_config``'s)."""
     rows = a.rows if isinstance(a.rows, int) else None
     sum_order = norm_sum_order(a.rounding, a.hidden, a.scale is not None, rows)
     if config is None:
@@ -175,24 +202,26 @@ def launch_modulation(a: ModulationArgs, u: torch.Tensor | None, y: torch.Tensor
     elif sum_order and config.chunk != sum_order_chunk(a.hidden, sum_order):
         raise ValueError(f"config.chunk={config.chunk}: where the norm's squares add in an eager kernel's order a "
                          f"chunk holds {sum_order_chunk(a.hidden, sum_order)} columns at H={a.hidden}")
-    rows_alias = a.x if a.x is not None else a.residual
-    table_alias = a.gate if a.gate is not None else a.scale
-
-    def rows_or_alias(t):
-        return rows_alias if t is None else t
-
-    def table_or_alias(t):
-        return table_alias if t is None else t
-
-    x, res, branch = rows_or_alias(a.x), rows_or_alias(a.residual), rows_or_alias(a.branch)
-    gate, shift, scale = table_or_alias(a.gate), table_or_alias(a.shift), table_or_alias(a.scale)
+    rows_alias = "x" if a.x is not None else "residual"
+    table_alias = "gate" if a.gate is not None else "scale"
+    slots = tuple(name if getattr(a, name) is not None else alias for name, alias in (
+        ("x", rows_alias), ("residual", rows_alias), ("branch", rows_alias), ("gate", table_alias),
+        ("weight", table_alias), ("shift", table_alias), ("scale", table_alias), ("index", "index")))
+    x, res, branch, gate, _, shift, scale, _ = (getattr(a, name) for name in slots)
     warming = warming_program_count(a, config.warming_lanes) if config.warm_tables_first else 0
-    return wrap(modulation_kernel)[(ceil_div(a.rows, config.block_t) + warming,)](
-        x, res, branch, gate, table_or_alias(a.weight), shift, scale, a.index,
-        y if u is None else u, u if y is None else y,
-        a.rows, a.num_table_rows, a.eps,
-        x.stride(0), res.stride(0), branch.stride(0), gate.stride(0), shift.stride(0), scale.stride(0),
-        **specialisation(a.hidden, a.gate is not None, a.scale is not None, a.weight is not None, a.rounding,
-                         config, interpreting(), sum_order),
-        num_warps=config.num_warps,
-    )
+    return KernelLaunch(
+        slots=slots,
+        scalars=(a.rows, a.num_table_rows, a.eps, x.stride(0), res.stride(0), branch.stride(0), gate.stride(0),
+                 shift.stride(0), scale.stride(0)),
+        grid=(ceil_div(a.rows, config.block_t) + warming,), num_warps=config.num_warps,
+        constexprs=specialisation(a.hidden, a.gate is not None, a.scale is not None, a.weight is not None,
+                                  a.rounding, config, interpreting(), sum_order))
+
+
+def launch_modulation(a: ModulationArgs, u: torch.Tensor | None, y: torch.Tensor | None, wrap,
+                      config: LaunchConfig | None = None):
+    """Run ``modulation_kernel`` for ``a`` into ``u``/``y`` (``wrap`` = ``torch.library.wrap_triton``, or the
+    identity for a direct launch) with ``config`` (default: ``launch_config``'s). Returns what the launch
+    returns (the compiled kernel, for a direct launch)."""
+    launch = plan_launch(a, config)
+    return launch(tuple(getattr(a, name) for name in launch.slots), u, y, wrap)

@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 
 import torch
 from torch.library import triton_op, wrap_triton
 
-from .arguments import ModulationArgs, check_args
-from .direct_call import needs_grad, untraced
-from .launch import interpreting, launch_modulation
+from .arguments import ModulationArgs, check_args, check_index_on_host
+from .direct_call import MAX_LAYOUTS, call_layout, plan_direct_call, untraced
+from .launch import interpreting, launch_modulation, triton_allowed
 from .reference import reference_modulation
 
 Tensor = torch.Tensor
@@ -39,22 +40,16 @@ def _empty_outputs(a: ModulationArgs, want_u: bool, want_y: bool):
     return make(want_u), make(want_y)
 
 
-def triton_allowed(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether the Triton kernels run for tensors of ``dtype`` on ``device`` (else the pure-torch reference):
-    on CUDA, and on CPU tensors under the Triton interpreter; not for fp64, which only the reference takes."""
-    return dtype != torch.float64 and (device.type == "cuda" or (device.type == "cpu" and interpreting()))
-
-
 def _run(a: ModulationArgs, raw: dict, want_u: bool, want_y: bool):
     if a.rows == 0 or a.hidden == 0:
         return _empty_outputs(a, want_u, want_y)
     if not triton_allowed(a.device, a.dtype):  # traced, the reference's ops are the graph's: Inductor compiles them
         if untraced(raw.values()):
-            check_index_on_host(a)
+            check_index_on_host(a.index, a.num_table_rows)
         u, y = reference_modulation(a)
         return (u if want_u else None), (y if want_y else None)
     if a.device.type == "cpu":  # the Triton interpreter: validate indices on the host
-        check_index_on_host(a)
+        check_index_on_host(a.index, a.num_table_rows)
     u, y = _empty_outputs(a, want_u, want_y)
     with launch_context(a.device, raw.values()) as wrap:
         launch_modulation(a, u, y, wrap)
@@ -74,36 +69,45 @@ def launch_context(device: torch.device, values):
         yield (lambda kernel: kernel) if direct else wrap_triton
 
 
-def check_index_on_host(a: ModulationArgs) -> None:
-    bad = (a.index < 0) | (a.index >= a.num_table_rows)
-    if bool(bad.any()):
-        first = int(bad.nonzero()[0, 0])
-        raise IndexError(f"index out of range: index[{first}] = {int(a.index[first])} "
-                         f"is not in [0, {a.num_table_rows})")
-
-
 class PublicOp:
     """The public function of the ``triton_op`` ``h3_fused::name`` whose body is ``body`` (registered here; its
-    autograd formula in ``backward.py``): a call runs the body itself where ``untraced`` allows it and autograd
-    would not record it, else goes through the dispatcher (``dispatched``, ``torch.ops.h3_fused.name``).
+    autograd formula in ``backward.py``): a call goes through the dispatcher (``dispatched``,
+    ``torch.ops.h3_fused.name``) unless ``direct_call.call_layout`` lets it skip it; then, where ``plans`` (a
+    forward op's ``direct_call.plan_direct_call``) gives a ``DirectLaunch`` for the call's layout, it launches
+    from that (worked out at the first call of the layout, kept in ``launches``), else it runs the body.
     ``op`` is the ``CustomOpDef``."""
 
-    def __init__(self, name: str, body):
+    def __init__(self, name: str, body, plans: bool = False):
         self.op = triton_op(f"h3_fused::{name}", mutates_args=())(body)
         self.body = body
         self.dispatched = getattr(torch.ops.h3_fused, name)
+        self.signature = inspect.signature(body) if plans else None
+        self.launches = {}
         functools.update_wrapper(self, body)
 
     def __call__(self, *args, **kwargs):
         values = (*args, *kwargs.values())
-        if untraced(values) and not needs_grad(values):
+        layout = call_layout(values)
+        if layout is None:
+            return self.dispatched(*args, **kwargs)
+        if self.signature is None:
             return self.body(*args, **kwargs)
-        return self.dispatched(*args, **kwargs)
+        key = (len(args), tuple(kwargs), layout)
+        launch = self.launches.get(key, _UNPLANNED)
+        if launch is _UNPLANNED:
+            launch = plan_direct_call(self.signature, args, kwargs)
+            if len(self.launches) >= MAX_LAYOUTS:
+                del self.launches[next(iter(self.launches))]
+            self.launches[key] = launch
+        return self.body(*args, **kwargs) if launch is None else launch(values)
+
+
+_UNPLANNED = object()
 
 
 def _public_op(name: str):
-    """The decorator that makes a body the ``PublicOp`` ``name``."""
-    return functools.partial(PublicOp, name)
+    """The decorator that makes a forward op's body the ``PublicOp`` ``name``."""
+    return functools.partial(PublicOp, name, plans=True)
 
 
 @_public_op("norm_modulate")
