@@ -132,3 +132,83 @@ def test_compiled_and_symbolically_traced_calls_hold_the_op():
 
     traced = torch.fx.symbolic_trace(SiteA())
     assert any("h3_fused.norm_modulate" in str(n.target) for n in traced.graph.nodes)
+
+
+@pytest.fixture
+def planned(monkeypatch):
+    """The layouts ``plan_direct_call`` was asked to plan, each public function's launches forgotten first."""
+    import h3_fused.kernels.ops as ops
+
+    asked = []
+    real = ops.plan_direct_call
+
+    def counting(signature, args, kwargs):
+        asked.append(tuple(signature.parameters)[0])
+        return real(signature, args, kwargs)
+
+    monkeypatch.setattr(ops, "plan_direct_call", counting)
+    for public in (norm_modulate, gate_norm_modulate, gate_residual):
+        monkeypatch.setattr(public, "launches", {})
+    return asked
+
+
+@pytest.mark.interpreted
+def test_a_layout_is_planned_once_and_later_calls_launch_from_it(planned, dispatched_calls):
+    """The kernel launched directly from the plan of the first call's layout, on new values of that layout,
+    gives the dispatched op's outputs; another row count is another layout."""
+    first, later = make(), make_inputs(tokens=8, hidden=64, rows=3, seed=1)
+    call_each(first)
+    assert planned == ["x", "residual", "residual"]
+    for launches in (norm_modulate.launches, gate_norm_modulate.launches, gate_residual.launches):
+        assert [launch is not None for launch in launches.values()] == [True]
+    later["weight"] = torch.nn.Parameter(later["weight"], requires_grad=False)
+    direct = call_each(later)
+    assert len(planned) == 3 and dispatched_calls == []
+    expected = (norm_modulate.dispatched(later["x"], later["weight"], later["shift"], later["scale"], later["index"],
+                                         eps=1e-5, policy="bf16"),
+                *gate_norm_modulate.dispatched(later["x"], later["gate"], later["branch"], later["weight"],
+                                               later["shift"], later["scale"], later["index"], eps=1e-5,
+                                               policy="bf16"),
+                gate_residual.dispatched(later["x"], later["gate"], later["branch"], later["index"], policy="bf16"))
+    for got, want in zip(direct, expected):
+        assert torch.equal(got, want)
+    call_each(make_inputs(tokens=9, hidden=64, rows=3))
+    assert len(planned) == 6
+
+
+@pytest.mark.interpreted
+def test_a_cached_layout_still_checks_what_depends_on_values(planned):
+    """An index out of range raises at a layout already planned; ``eps=True`` is not the layout of
+    ``eps=1`` (a bool is refused where the int is taken)."""
+    t = make()
+    args = (t["x"], t["weight"], t["shift"], t["scale"])
+    norm_modulate(*args, t["index"], eps=1, policy="bf16")
+    with pytest.raises(IndexError, match=r"index\[0\] = 3 is not in \[0, 3\)"):
+        norm_modulate(*args, torch.full_like(t["index"], 3), eps=1, policy="bf16")
+    with pytest.raises(ValueError, match="eps must be a non-negative float"):
+        norm_modulate(*args, t["index"], eps=True, policy="bf16")
+    assert len(planned) == 2 and len(norm_modulate.launches) == 1  # the refused call planned nothing
+
+
+@pytest.mark.interpreted
+def test_a_layout_the_kernel_cannot_read_in_place_runs_the_body(planned):
+    """A column-strided table is copied by the argument checks: its layout has no plan, and its calls are
+    still the reference's."""
+    t = make()
+    shift = t["shift"].t().contiguous().t()  # the same values, column stride K
+    assert shift.stride(1) != 1
+    for _ in range(2):
+        got = norm_modulate(t["x"], t["weight"], shift, t["scale"], t["index"], eps=1e-5, policy="bf16")
+    assert list(norm_modulate.launches.values()) == [None] and len(planned) == 1
+    assert torch.equal(got, norm_modulate(t["x"], t["weight"], t["shift"], t["scale"], t["index"], eps=1e-5,
+                                          policy="bf16"))
+
+
+def test_the_layouts_kept_are_bounded(planned, monkeypatch):
+    """Beyond ``MAX_LAYOUTS`` layouts the one seen first is forgotten (a CPU layout's entry says: no plan)."""
+    import h3_fused.kernels.ops as ops
+
+    monkeypatch.setattr(ops, "MAX_LAYOUTS", 2)
+    for tokens in (3, 4, 5):
+        gate_residual(*(make_inputs(tokens=tokens, hidden=8, rows=2)[k] for k in ("x", "gate", "branch", "index")))
+    assert [key[2][0][0][0] for key in gate_residual.launches] == [4, 5]
