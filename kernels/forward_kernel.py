@@ -254,16 +254,18 @@ def _eager_norm_mean(partial, n_rows, program, HIDDEN: tl.constexpr, NORM_SUM_OR
     the sum divided by ``H``, as torch's fused RMSNorm kernel divides it) or ``_add_squares_as_mean`` (2: each
     lane's 4 sums added ``((s0 + s1) + s2) + s3``, then the lanes' tree, times the factor torch's mean takes,
     ``float(rows) / float(rows * H)``, each count rounded to fp32 as eager's host code rounds it)."""
-    if NORM_SUM_ORDER == 1:
-        return tl.math.div_rn(_eager_order_total(partial), tl.cast(HIDDEN, tl.float32))
-    BT: tl.constexpr = partial.shape[0]
-    LANES: tl.constexpr = partial.shape[1] // 4
-    even, odd = tl.split(tl.reshape(partial, [BT, LANES, 2, 2]))  # each lane's sums 0, 2 and 1, 3
-    s0, s2 = tl.split(even)
-    s1, s3 = tl.split(odd)
-    rows = n_rows + 0 * program  # int64, also where ``n_rows`` is a constant
-    factor = tl.math.div_rn(rows.to(tl.float32), (rows * HIDDEN).to(tl.float32))
-    return _eager_order_total(((s0 + s1) + s2) + s3) * factor
+    if NORM_SUM_ORDER == 1:  # an else, not an early return: Triton builds what follows a return in a static if
+        mean = tl.math.div_rn(_eager_order_total(partial), tl.cast(HIDDEN, tl.float32))
+    else:
+        BT: tl.constexpr = partial.shape[0]
+        LANES: tl.constexpr = partial.shape[1] // 4
+        even, odd = tl.split(tl.reshape(partial, [BT, LANES, 2, 2]))  # each lane's sums 0, 2 and 1, 3
+        s0, s2 = tl.split(even)
+        s1, s3 = tl.split(odd)
+        rows = n_rows + 0 * program  # int64, also where ``n_rows`` is a constant
+        factor = tl.math.div_rn(rows.to(tl.float32), (rows * HIDDEN).to(tl.float32))
+        mean = _eager_order_total(((s0 + s1) + s2) + s3) * factor
+    return mean
 
 
 @triton.jit

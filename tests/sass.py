@@ -27,14 +27,16 @@ SCALARS = dict(n_rows="i32", num_table_rows="i32", eps="fp32", stride_x="i32", s
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 
 
-def compile_site(site: str, policy: str, hidden: int, config=None, index: str = "i64", constants=None):
-    """``modulation_kernel`` compiled for sm_90 as the ops launch it (or with ``config``), for an index of
-    Triton type ``index`` (``"i64"`` or ``"i32"``); ``constants``: scalar arguments made constants, as
-    Triton does with a value of 1 (e.g. ``{"n_rows": 1}``)."""
+def compile_site(site: str, policy: str, hidden: int, config=None, index: str = "i64", constants=None,
+                 native: bool = False):
+    """``modulation_kernel`` compiled for sm_90 as the ops launch it (or with ``config``) at a symbolic row
+    count, for an index of Triton type ``index`` (``"i64"`` or ``"i32"``) and the ``nn.RMSNorm`` spelling or
+    the native one (``native``); ``constants``: scalar arguments made constants, as Triton does with a value
+    of 1 (e.g. ``{"n_rows": 1}``)."""
     gate, norm = site in "BC", site in "AB"
-    config = config or shipped_launch_config(site, hidden, None, policy)
-    constants = specialisation(hidden, gate, norm, norm, site_rounding(site, policy), config, False,
-                               shipped_sum_order(site, hidden, None, policy)) | (constants or {})
+    config = config or shipped_launch_config(site, hidden, None, policy, native)
+    constants = specialisation(hidden, gate, norm, norm, site_rounding(site, policy, native), config, False,
+                               shipped_sum_order(site, hidden, None, policy, native)) | (constants or {})
     signature = {name: "*bf16" for name in POINTERS} | {"idx_ptr": f"*{index}"} | SCALARS
     signature |= {name: "constexpr" for name in constants}
     names = modulation_kernel.arg_names

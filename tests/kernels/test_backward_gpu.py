@@ -79,8 +79,9 @@ def test_fp32_policy_gradients_are_at_least_as_close_to_fp64(site):
 @pytest.mark.parametrize("site", ["A", "B", "C"])
 def test_compiled_backward_gives_the_bare_ops_gradients(site):
     """The ops inlined in a compiled graph (forward and backward kernels in Inductor's code): the table and weight
-    gradients are the bare ops' bit for bit; an activation gradient may differ in its last place on a few
-    elements (measured: 42 of 85 million at site A, T = 15,808), as the norm's sum order may in the forward."""
+    gradients are the bare ops' bit for bit; an activation gradient may differ on a few elements, as the
+    backward's sums of a row may add in another order: by its last place, or where ``dxhat - xhat * mean``
+    cancels (the result far below its terms) by the fp32 last place of the gradient's scale."""
     inputs = make_inputs(site, 15808, seed=4)
     bare = gradients(fused_site(site, "bf16"), inputs)
     compiled = gradients(torch.compile(fused_site(site, "bf16")), inputs)
@@ -89,4 +90,5 @@ def test_compiled_backward_gives_the_bare_ops_gradients(site):
             assert torch.equal(bare[name], compiled[name]), name
         else:
             assert (bare[name] != compiled[name]).float().mean() <= 1e-5, name
-            torch.testing.assert_close(compiled[name], bare[name], rtol=2 ** -7, atol=0)
+            scale = bare[name].abs().max().item()
+            torch.testing.assert_close(compiled[name], bare[name], rtol=2 ** -7, atol=2 ** -24 * scale)

@@ -76,3 +76,12 @@ def test_every_build_compiles_with_the_counts_as_constants(site, rows):
     config = shipped_launch_config(site, HIDDEN, rows, "bf16")
     for constants in ({"n_rows": 1}, {"num_table_rows": 1}, {"n_rows": 1, "num_table_rows": 1}):
         assert compile_site(site, "bf16", HIDDEN, config, constants=constants).asm["ptx"]
+
+
+@pytest.mark.parametrize("native", [False, True], ids=["nn_rmsnorm", "native"])
+@pytest.mark.parametrize("site", ["A", "B"])
+def test_each_norm_sum_order_compiles_at_the_edge_widths(site, native):
+    """The widths where the launch changes the norm's sum order or its chunk: H = 4 (one vector a row), 12 (not
+    a power of 2), 128 (the native order's narrowest), 8,196 (past its widest: the kernel's own order)."""
+    for hidden in (4, 12, 128, 8196):
+        assert compile_site(site, "bf16", hidden, native=native).asm["ptx"]
