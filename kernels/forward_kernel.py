@@ -249,7 +249,7 @@ def _eager_order_total(partial):
 
 
 @triton.jit
-def _eager_norm_mean(partial, n_rows, program, HIDDEN: tl.constexpr, NORM_SUM_ORDER: tl.constexpr):
+def _eager_norm_mean(partial, n_rows, program, zero, HIDDEN: tl.constexpr, NORM_SUM_ORDER: tl.constexpr):
     """``mean(u*u)`` per row from the partial sums of ``_add_squares_as_fused_rms_norm`` (``NORM_SUM_ORDER`` 1:
     the sum divided by ``H``, as torch's fused RMSNorm kernel divides it) or ``_add_squares_as_mean`` (2: each
     lane's 4 sums added ``((s0 + s1) + s2) + s3``, then the lanes' tree, times the factor torch's mean takes,
@@ -264,7 +264,8 @@ def _eager_norm_mean(partial, n_rows, program, HIDDEN: tl.constexpr, NORM_SUM_OR
         s1, s3 = tl.split(odd)
         rows = n_rows + 0 * program  # int64, also where ``n_rows`` is a constant
         factor = tl.math.div_rn(rows.to(tl.float32), (rows * HIDDEN).to(tl.float32))
-        mean = _eager_order_total(((s0 + s1) + s2) + s3) * factor
+        # rounded as the mean kernel stores it (``mul_rn``: a plain product fuses with the caller's ``+ eps``)
+        mean = tl.reshape(mul_rn(_eager_order_total(((s0 + s1) + s2) + s3)[:, None], factor, zero), [BT])
     return mean
 
 
@@ -353,7 +354,7 @@ def _modulate_rows(
     if HAS_NORM:
         # fp32 constants and scalars (Inductor may pass eps as a constexpr float, which computes in fp64)
         if NORM_SUM_ORDER > 0:
-            mean_square = _eager_norm_mean(squares, n_rows, program, HIDDEN, NORM_SUM_ORDER)
+            mean_square = _eager_norm_mean(squares, n_rows, program, zero, HIDDEN, NORM_SUM_ORDER)
         else:
             mean_square = tl.sum(squares, axis=1) * tl.cast(1.0 / HIDDEN, tl.float32)
         r = rsqrt(mean_square + tl.cast(eps, tl.float32), INTERPRETED)

@@ -85,3 +85,13 @@ def test_each_norm_sum_order_compiles_at_the_edge_widths(site, native):
     a power of 2), 128 (the native order's narrowest), 8,196 (past its widest: the kernel's own order)."""
     for hidden in (4, 12, 128, 8196):
         assert compile_site(site, "bf16", hidden, native=native).asm["ptx"]
+
+
+@pytest.mark.parametrize("site", ["A", "B"])
+def test_native_spelling_rounds_every_product(site):
+    """The native RMSNorm's eager graph rounds every product it forms (``pow``, the mean's factor, ``* rstd``, ``*
+    weight``, the affine) before any add: its build holds no FMA, the mean's product with the factor included
+    (a plain product there fused with ``+ eps``, and missed eager's ``rstd`` on rare rows at H = 200 and 5,376)."""
+    for hidden in (200, HIDDEN):
+        ptx = compile_site(site, "bf16", hidden, native=True).asm["ptx"]
+        assert not re.findall(r"^\s+fma\.", ptx, re.M)

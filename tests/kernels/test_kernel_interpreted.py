@@ -209,7 +209,8 @@ def eager_order_means(x_ptr, out_ptr, n_rows, HIDDEN: tl.constexpr, CHUNK: tl.co
             partial = _add_squares_as_fused_rms_norm(partial, u.to(tl.float32))
         else:
             partial = _add_squares_as_mean(partial, u.to(tl.float32), zero)
-    tl.store(out_ptr + rows, _eager_norm_mean(partial, n_rows, tl.program_id(0).to(tl.int64), HIDDEN, NORM_SUM_ORDER))
+    tl.store(out_ptr + rows, _eager_norm_mean(partial, n_rows, tl.program_id(0).to(tl.int64), zero, HIDDEN,
+                                              NORM_SUM_ORDER))
 
 
 @pytest.mark.parametrize("order, hidden", [("fused_rms_norm", h) for h in (4, 64, 128, 200, 1024, 2052)]
