@@ -1,7 +1,7 @@
 """Whole models against eager, bit for bit: where a compiled H3 differs from eager, and by how much.
 
     python benchmarks/exactness.py --out benchmarks/results/exactness.json [--tokens 4096 15808]
-        [--clients stand-in diffusers] [--modes regional whole] [--steps 20]
+        [--clients stand-in diffusers] [--modes regional whole] [--steps 20] [--locate-depth 3]
 
 For each client (``stand-in``: ``examples/minimax_h3`` at real dims, 2 blocks; ``diffusers``: its
 ``MiniMaxH3Transformer3DModel`` at the checkpoint's dims and precision, 2 blocks), row count, compile mode
@@ -11,6 +11,11 @@ equals eager's (``outputs_equal``) and the share of output elements that differ 
 outputs, video and audio, together). Then a trajectory row per variant: ``--steps`` Euler steps of the
 stand-in (regional, the first row count, the layout of its first step throughout), the share of each
 step's latent that differs from eager's.
+Then, for each client at the first row count, where its first block's compiled code departs from eager
+(``--locate-depth`` levels; 0: not at all): the block and, inside any module whose compiled outputs differ
+from eager's, each of its submodules, compiled alone and called on the inputs that module received in the
+eager call, a row each (``kind`` ``module``, ``module`` its name in the model). The deepest differing modules
+whose submodules all match are where the divergence is.
 One row per case in ``--out`` (overwritten). Real dims on CUDA; on the CPU (a smoke run) the tiny dims.
 """
 
@@ -88,6 +93,76 @@ def diffusers_client(tokens: int):
 CLIENTS = {"stand-in": stand_in, "diffusers": diffusers_client}
 
 
+def first_calls(model, call, root: torch.nn.Module) -> dict:
+    """The first call of ``root`` and of each module inside it in an eager call of ``model``: ``{module: (args,
+    kwargs, outputs)}``."""
+    calls, handles = {}, []
+
+    def record(module, args, kwargs, output):
+        calls.setdefault(module, (args, kwargs, output))
+
+    for module in root.modules():
+        handles.append(module.register_forward_hook(record, with_kwargs=True))
+    try:
+        call(model)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return calls
+
+
+def locate(root: torch.nn.Module, name: str, calls: dict, compile_module, depth: int) -> list[dict]:
+    """``{module, outputs_equal, mismatch}`` of ``root`` compiled alone (``compile_module(module)``) on the inputs
+    of its eager call (``calls``, ``first_calls``'), then of each of its submodules that ran, down to ``depth``
+    levels below where the outputs differ."""
+    args, kwargs, expected = calls[root]
+    got = compile_module(root)(*args, **kwargs)
+    expected, got = torch.utils._pytree.tree_leaves(expected), torch.utils._pytree.tree_leaves(got)
+    share = mismatch([g for g in got if torch.is_tensor(g)], [e for e in expected if torch.is_tensor(e)])
+    rows = [dict(module=name, outputs_equal=share == 0, mismatch=share)]
+    if share and depth > 0:
+        for child_name, child in root.named_children():
+            if child in calls:
+                rows += locate(child, f"{name}.{child_name}", calls, compile_module, depth - 1)
+    return rows
+
+
+def first_blocks(model) -> dict[str, torch.nn.Module]:
+    """The first block of each kind of the model's repeated blocks (diffusers' ``_repeated_blocks``, what its
+    regional compile compiles; the stand-in's ``H3Block``), by name."""
+    kinds = getattr(model, "_repeated_blocks", None) or ["H3Block"]
+    firsts = {}
+    for name, module in model.named_modules():
+        kind = type(module).__name__
+        if kind in kinds and kind not in {type(m).__name__ for m in firsts.values()}:
+            firsts[name] = module
+    return firsts
+
+
+def locate_rows(client: str, tokens: int, depth: int) -> list[dict]:
+    rows = []
+    for variant in VARIANTS:
+        release()
+        model, call, hidden = CLIENTS[client](tokens)
+        backend, options = VARIANTS[variant]
+
+        def compile_module(module):
+            torch._dynamo.reset()
+            return torch.compile(module, backend=backend, options=options)
+
+        with torch.no_grad():
+            for name, block in first_blocks(model).items():
+                calls = first_calls(model, call, block)
+                for row in locate(block, name, calls, compile_module, depth):
+                    rows.append(dict(client=client, kind="module", hidden=hidden, tokens=tokens, blocks=BLOCKS,
+                                     mode="alone", variant=variant, policy="bf16", **row))
+                    print(f"{client} T={tokens} {variant} {row['module']}: mismatch {row['mismatch']:.2e}",
+                          flush=True)
+                del calls
+        del model, call
+    return rows
+
+
 def release():
     gc.collect()
     if DEVICE == "cuda":
@@ -125,6 +200,8 @@ def main():
     parser.add_argument("--tokens", nargs="+", type=int, default=[4096, 15808] if DEVICE == "cuda" else [96])
     parser.add_argument("--modes", nargs="+", default=["regional", "whole"], choices=["regional", "whole"])
     parser.add_argument("--steps", type=int, default=20, help="trajectory steps (0: no trajectory)")
+    parser.add_argument("--locate-depth", type=int, default=3,
+                        help="levels of submodules to look into where compiled code departs from eager")
     parser.add_argument("--out", default="benchmarks/results/exactness.json")
     args = parser.parse_args()
     rows = []
@@ -150,6 +227,9 @@ def main():
         del model, call
     if args.steps:
         trajectory(rows, args.tokens[0], args.steps)
+    if args.locate_depth:
+        for client in args.clients:
+            rows += locate_rows(client, args.tokens[0], args.locate_depth)
     with open(args.out, "w") as f:
         device = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"
         json.dump(dict(device=device, torch=torch.__version__, rows=rows), f, indent=1)
