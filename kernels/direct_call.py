@@ -71,8 +71,8 @@ class DirectLaunch:
     """A direct call of one layout: the launch (``launch``) on the call's argument values at ``positions`` (one
     per slot of the launch; each value is the tensor the slot reads, a view of it at most), into new contiguous
     outputs shaped as the first slot's tensor (``x`` or the residual; ``u`` where ``want_u``, ``y`` where
-    ``want_y``). Under the interpreter (CPU tensors) the
-    index is checked on the host first (``index_position``, ``num_table_rows``)."""
+    ``want_y``), on ``device`` (made current for the launch). Under the interpreter (CPU tensors) the index
+    is checked on the host first (``index_position``, ``num_table_rows``)."""
 
     launch: KernelLaunch
     positions: tuple[int, ...]
@@ -120,6 +120,6 @@ def plan_direct_call(signature: inspect.Signature, args: tuple, kwargs: dict) ->
     if any(p < 0 or getattr(a, slot).data_ptr() != values[p].data_ptr()
            for slot, p in zip(launch.slots, positions)):
         return None
-    return DirectLaunch(launch, positions, a.device, want_u=a.gate is not None,
-                        want_y=a.scale is not None, index_position=names.index("index") if a.device.type == "cpu" else None,
-                        num_table_rows=a.num_table_rows)
+    on_host = a.device.type == "cpu"  # the interpreter: no kernel assertion guards the index
+    return DirectLaunch(launch, positions, a.device, want_u=a.gate is not None, want_y=a.scale is not None,
+                        index_position=names.index("index") if on_host else None, num_table_rows=a.num_table_rows)
