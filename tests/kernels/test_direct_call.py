@@ -212,3 +212,20 @@ def test_the_layouts_kept_are_bounded(planned, monkeypatch):
     for tokens in (3, 4, 5):
         gate_residual(*(make_inputs(tokens=tokens, hidden=8, rows=2)[k] for k in ("x", "gate", "branch", "index")))
     assert [key[2][0][0][0] for key in gate_residual.launches] == [4, 5]
+
+
+@pytest.mark.interpreted
+def test_a_row_strided_view_launches_from_its_plan_in_place(planned):
+    """Activations ``[B, T, H]`` read in place from a wider tensor (row stride 200) and an index ``[B, T]``: the
+    layout has a plan, and its outputs are the dispatched op's."""
+    t = make_inputs(lead=(2, 5), hidden=64, rows=3)
+    wide = torch.randn(2, 5, 200).to(torch.bfloat16)
+    x = wide[..., 10:74]
+    assert x.stride() == (1000, 200, 1)
+    for _ in range(2):
+        got = gate_norm_modulate(x, t["gate"], t["branch"], t["weight"], t["shift"], t["scale"], t["index"],
+                                 eps=1e-5, policy="bf16")
+    assert [launch is not None for launch in gate_norm_modulate.launches.values()] == [True] and len(planned) == 1
+    expected = gate_norm_modulate.dispatched(x, t["gate"], t["branch"], t["weight"], t["shift"], t["scale"],
+                                             t["index"], eps=1e-5, policy="bf16")
+    assert all(torch.equal(g, e) for g, e in zip(got, expected))
