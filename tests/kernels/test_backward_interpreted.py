@@ -98,3 +98,17 @@ def test_the_same_bits_on_every_run():
     t = saved("B", 40, 200, 6, seed=7)
     first, second = both(t, "bf16", False, Needs())[0], both(t, "bf16", False, Needs())[0]
     assert all(torch.equal(first[k], second[k]) for k in first)
+
+
+@pytest.mark.parametrize("bad", [-1, 4], ids=["negative", "past_the_last_row"])
+@pytest.mark.parametrize("needs", [Needs(), Needs(gate=False, weight=False, shift=False, scale=False)],
+                         ids=["tables_too", "activations_only"])
+def test_an_index_out_of_range_fails_the_kernels_assertion(bad, needs):
+    """The kernel launched without the host's check (as on CUDA): a row whose index is outside ``[0, K)`` fails the
+    device assertion, also where the rows are visited in sorted order, where no table row's loop reaches it:
+    its key sorts first or last, the first program's first row or the last program's last row, whose table
+    rows every program reads (``first_k``, ``last_k``)."""
+    t = saved("B", 13, 64, 4)
+    t["index"][5] = bad
+    with pytest.raises(Exception, match="index out of range"):
+        both(t, "bf16", False, needs)
