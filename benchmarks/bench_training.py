@@ -139,7 +139,10 @@ def backward_config_rows(site: str, tokens: int, hidden: int, rounds: int) -> li
     configs = {"shipped": shipped, "no_prefetch": dataclasses.replace(shipped, prefetch=False),
                "two_programs_per_sm": dataclasses.replace(shipped, **programs(2)),
                "warps8": dataclasses.replace(shipped, num_warps=8),
-               "warps8_no_prefetch": dataclasses.replace(shipped, num_warps=8, prefetch=False)}
+               "warps8_no_prefetch": dataclasses.replace(shipped, num_warps=8, prefetch=False),
+               "hoist_tables": dataclasses.replace(shipped, hoist_tables=True),
+               "early_streams": dataclasses.replace(shipped, early_streams=True),
+               "hoist_tables_early_streams": dataclasses.replace(shipped, hoist_tables=True, early_streams=True)}
     needs = Needs(lead=site != "C")
     runs = {name: (lambda c=c: launch_backward(a, *rows_, needs, lambda kernel: kernel, c))
             for name, c in configs.items()}

@@ -97,16 +97,32 @@ def _row(s, valid, order_ptr, idx_ptr, num_table_rows, SORTED: tl.constexpr):
 
 
 @triton.jit
-def _chunks(ptr, t, stride, valid, lanes, WANTED: tl.constexpr, CHUNK: tl.constexpr, HIDDEN: tl.constexpr):
-    """Row ``t`` of a ``[R, H]`` tensor as a tuple of chunks (an empty tuple where not ``WANTED``); read once,
-    so it bypasses L1."""
+def _chunks(ptr, t, stride, valid, lanes, WANTED: tl.constexpr, CHUNK: tl.constexpr, HIDDEN: tl.constexpr,
+            STREAMED: tl.constexpr = True):
+    """Row ``t`` of a ``[R, H]`` tensor (or ``[K, H]`` table) as a tuple of chunks (an empty tuple where not
+    ``WANTED``); a ``STREAMED`` row is read once, so it bypasses L1."""
     out = ()
     if WANTED:
         for c in tl.static_range(triton.cdiv(HIDDEN, CHUNK)):
             cols = c * CHUNK + lanes
-            out = out + (tl.load(ptr + t * stride + cols, mask=(cols < HIDDEN) & _everywhere(valid, lanes), other=0.0,
-                                 cache_modifier=".cg"),)
+            mask = (cols < HIDDEN) & _everywhere(valid, lanes)
+            if STREAMED:
+                out = out + (tl.load(ptr + t * stride + cols, mask=mask, other=0.0, cache_modifier=".cg"),)
+            else:
+                out = out + (tl.load(ptr + t * stride + cols, mask=mask, other=0.0),)
     return out
+
+
+@triton.jit
+def _chunk_of(held, c: tl.constexpr, ptr, t, stride, cols, ok, HELD: tl.constexpr, STREAMED: tl.constexpr = False):
+    """Chunk ``c`` (columns ``cols``) of row ``t``: from the chunks ``held`` where ``HELD``, else loaded."""
+    if HELD:
+        chunk = held[c]
+    elif STREAMED:
+        chunk = tl.load(ptr + t * stride + cols, mask=ok, other=0.0, cache_modifier=".cg")
+    else:
+        chunk = tl.load(ptr + t * stride + cols, mask=ok, other=0.0)
+    return chunk
 
 
 @triton.jit(debug=True)
@@ -119,7 +135,7 @@ def modulation_backward_kernel(
     ROUND_NORM: tl.constexpr, ROUND_NORM_BEFORE_WEIGHT: tl.constexpr, ROUND_AFFINE: tl.constexpr,
     NEED_X: tl.constexpr, NEED_BRANCH: tl.constexpr, NEED_SHIFT: tl.constexpr, NEED_SCALE: tl.constexpr,
     NEED_GATE: tl.constexpr, NEED_W: tl.constexpr, SORTED: tl.constexpr, PREFETCH: tl.constexpr,
-    INTERPRETED: tl.constexpr, CHUNK: tl.constexpr,
+    HOIST_TABLES: tl.constexpr, EARLY_STREAMS: tl.constexpr, INTERPRETED: tl.constexpr, CHUNK: tl.constexpr,
 ):
     act: tl.constexpr = dx_ptr.dtype.element_ty
     CHUNKS: tl.constexpr = triton.cdiv(HIDDEN, CHUNK)
@@ -131,6 +147,7 @@ def modulation_backward_kernel(
     acc_shift, acc_scale = _zeros(CHUNKS, CHUNK), _zeros(CHUNKS, CHUNK)
     acc_gate, acc_w = _zeros(CHUNKS, CHUNK), _zeros(CHUNKS, CHUNK)
     t_next, k_next = _row(begin, begin < end, order_ptr, idx_ptr, num_table_rows, SORTED)
+    ws = _chunks(w_ptr, 0, 0, begin < end, lanes, HAS_WEIGHT and HOIST_TABLES, CHUNK, HIDDEN, False)
     if PREFETCH:  # the row's streamed inputs arrive during the previous row's work
         dy_next = _chunks(dy_ptr, t_next, stride_dy, begin < end, lanes, HAS_NORM, CHUNK, HIDDEN)
         u_next = _chunks(u_ptr, t_next, stride_u, begin < end, lanes, HAS_NORM, CHUNK, HIDDEN)
@@ -140,11 +157,17 @@ def modulation_backward_kernel(
     else:
         first_k = 0
         last_k = 0
+    held: tl.constexpr = HOIST_TABLES and SORTED
     for table_row in range(first_k, last_k + 1):  # the program's rows of each table row, then their slot
         lo, hi = begin, end
         if GROUPED:
             lo = tl.maximum(begin, tl.load(seg_ptr + table_row))
             hi = tl.minimum(end, tl.load(seg_ptr + table_row + 1))
+        # sorted, every row of the segment reads table row ``table_row``: its chunks once for them all
+        segment_scales = _chunks(scale_ptr, table_row, stride_scale, hi > lo, lanes, HAS_NORM and held, CHUNK,
+                                 HIDDEN, False)
+        segment_gates = _chunks(gate_ptr, table_row, stride_gate, hi > lo, lanes, NEED_BRANCH and held, CHUNK,
+                                HIDDEN, False)
         for s in range(lo, hi):
             t, k = t_next, k_next
             if PREFETCH:
@@ -156,14 +179,23 @@ def modulation_backward_kernel(
                 dys = _chunks(dy_ptr, t, stride_dy, s < end, lanes, HAS_NORM, CHUNK, HIDDEN)
                 us = _chunks(u_ptr, t, stride_u, s < end, lanes, HAS_NORM, CHUNK, HIDDEN)
                 t_next, k_next = _row(s + 1, s + 1 < end, order_ptr, idx_ptr, num_table_rows, SORTED)
+            if HOIST_TABLES and not SORTED:  # rows in index order: each row's own table row, at its start
+                scales = _chunks(scale_ptr, k, stride_scale, s < end, lanes, HAS_NORM, CHUNK, HIDDEN, False)
+                gates = _chunks(gate_ptr, k, stride_gate, s < end, lanes, NEED_BRANCH, CHUNK, HIDDEN, False)
+            else:
+                scales, gates = segment_scales, segment_gates
+            # the streams pass 2 reads, loaded before the row's first store (which they cannot pass: it may alias)
+            dus = _chunks(du_ptr, t, stride_du, s < end, lanes, HAS_GATE and EARLY_STREAMS, CHUNK, HIDDEN)
+            branches = _chunks(branch_ptr, t, stride_branch, s < end, lanes, NEED_GATE and EARLY_STREAMS, CHUNK,
+                               HIDDEN)
             if HAS_NORM:  # pass 1: the row's sum of squares and sum(dxhat * u)
                 squares = tl.zeros([CHUNK], tl.float32)
                 products = tl.zeros([CHUNK], tl.float32)
                 for c in tl.static_range(CHUNKS):
                     cols = c * CHUNK + lanes
                     ok = cols < HIDDEN
-                    scale = tl.load(scale_ptr + k * stride_scale + cols, mask=ok, other=0.0)
-                    w = tl.load(w_ptr + cols, mask=ok, other=0.0) if HAS_WEIGHT else 0.0
+                    scale = _chunk_of(scales, c, scale_ptr, k, stride_scale, cols, ok, HOIST_TABLES)
+                    w = _chunk_of(ws, c, w_ptr, 0, 0, cols, ok, HOIST_TABLES) if HAS_WEIGHT else 0.0
                     u32 = widened(us[c])
                     squares += u32 * u32
                     _, dxhat = _normed_input_gradient(dys[c], scale, w, act, HAS_WEIGHT, ROUND_NORM,
@@ -176,12 +208,12 @@ def modulation_backward_kernel(
                 cols = c * CHUNK + lanes
                 ok = cols < HIDDEN
                 if HAS_GATE:
-                    du_t = tl.load(du_ptr + t * stride_du + cols, mask=ok, other=0.0, cache_modifier=".cg").to(tl.float32)
+                    du_t = _chunk_of(dus, c, du_ptr, t, stride_du, cols, ok, EARLY_STREAMS, True).to(tl.float32)
                 if HAS_NORM:
                     dy = dys[c]
                     xhat = widened(us[c]) * r
-                    scale = tl.load(scale_ptr + k * stride_scale + cols, mask=ok, other=0.0)
-                    w = tl.load(w_ptr + cols, mask=ok, other=0.0) if HAS_WEIGHT else 0.0
+                    scale = _chunk_of(scales, c, scale_ptr, k, stride_scale, cols, ok, HOIST_TABLES)
+                    w = _chunk_of(ws, c, w_ptr, 0, 0, cols, ok, HOIST_TABLES) if HAS_WEIGHT else 0.0
                     dn, dxhat = _normed_input_gradient(dy, scale, w, act, HAS_WEIGHT, ROUND_NORM, ROUND_NORM_BEFORE_WEIGHT,
                                                        ROUND_AFFINE, INTERPRETED)
                     du_n = r * (dxhat - xhat * mean_product)
@@ -208,11 +240,11 @@ def modulation_backward_kernel(
                 if NEED_X:
                     tl.store(dx_ptr + t * HIDDEN + cols, rounded(du_t, act, INTERPRETED).to(act), mask=ok)
                 if NEED_BRANCH:
-                    gate = tl.load(gate_ptr + k * stride_gate + cols, mask=ok, other=0.0)
+                    gate = _chunk_of(gates, c, gate_ptr, k, stride_gate, cols, ok, HOIST_TABLES)
                     tl.store(dbranch_ptr + t * HIDDEN + cols, rounded(du_t * widened(gate), act, INTERPRETED).to(act),
                              mask=ok)
                 if NEED_GATE:
-                    branch = tl.load(branch_ptr + t * stride_branch + cols, mask=ok, other=0.0, cache_modifier=".cg")
+                    branch = _chunk_of(branches, c, branch_ptr, t, stride_branch, cols, ok, EARLY_STREAMS, True)
                     acc_gate = _add_at(acc_gate, c, du_t * widened(branch))
         if GROUPED:
             slot = program + table_row

@@ -46,13 +46,19 @@ class Needs:
 @dataclass(frozen=True)
 class BackwardConfig:
     """``chunk`` columns at a time on ``num_warps`` warps; ``programs`` programs of ``rows_per_program`` rows;
-    ``prefetch``: each row's streamed inputs are loaded during the previous row's work."""
+    ``prefetch``: each row's streamed inputs are loaded during the previous row's work; ``hoist_tables``: the
+    weight's chunks loaded once a program, the ``scale`` and ``gate`` rows' once a table row where the rows
+    are sorted (else at each row's start), all held in registers instead of loaded where each chunk uses
+    them; ``early_streams``: the incoming residual gradient and the branch loaded at the row's start, ahead
+    of its first store (which a later load cannot pass: it may alias)."""
 
     chunk: int
     num_warps: int
     rows_per_program: int
     programs: int
     prefetch: bool = True
+    hoist_tables: bool = False
+    early_streams: bool = False
 
 
 def backward_config(hidden: int, rows, device: torch.device, has_norm: bool = True) -> BackwardConfig:
@@ -123,7 +129,8 @@ def launch_backward(a: ModulationArgs, u: torch.Tensor | None, dy: torch.Tensor 
         ROUND_NORM=a.rounding.norm_output, ROUND_NORM_BEFORE_WEIGHT=a.rounding.norm_before_weight,
         ROUND_AFFINE=a.rounding.affine, NEED_X=needs.lead, NEED_BRANCH=needs.branch and has_gate,
         NEED_SHIFT=want["shift"], NEED_SCALE=want["scale"], NEED_GATE=want["gate"], NEED_W=need_w,
-        SORTED=grouped, PREFETCH=config.prefetch, INTERPRETED=interpreting(), CHUNK=config.chunk,
+        SORTED=grouped, PREFETCH=config.prefetch, HOIST_TABLES=config.hoist_tables,
+        EARLY_STREAMS=config.early_streams, INTERPRETED=interpreting(), CHUNK=config.chunk,
         num_warps=config.num_warps,
     )
     tables = {name: getattr(a, name) for name, wanted in want.items() if wanted}

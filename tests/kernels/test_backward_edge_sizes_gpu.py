@@ -2,7 +2,8 @@
 
 ``.ci/gpu`` also runs this file under ``compute-sanitizer`` (memcheck and racecheck): each site and policy at
 H in {1, 31, 64, 101, 200, 5376} and T in {1, 3, 257}, all gradients and the activations' alone, with the
-shipped launch configuration, one row per program, and without the prefetch of the next row.
+shipped launch configuration, one row per program, without the prefetch of the next row, and with the table
+rows held in registers and the streams loaded early (``BackwardConfig.hoist_tables``, ``early_streams``).
 """
 
 import dataclasses
@@ -33,7 +34,7 @@ def saved(site, tokens, hidden, policy):
     return a, (_rows(values["u"], a, "u"), _rows(values["dy"], a, "dy"), _rows(values["du"], a, "du"))
 
 
-@pytest.mark.parametrize("variant", ["shipped", "one_row_per_program", "no_prefetch"])
+@pytest.mark.parametrize("variant", ["shipped", "one_row_per_program", "no_prefetch", "hoist_tables_early_streams"])
 @pytest.mark.parametrize("hidden", [1, 31, 64, 101, 200, 5376])
 def test_every_backward_build_at_the_edge_sizes_matches_the_reference(variant, hidden):
     for tokens, site, policy, needs in itertools.product((1, 3, 257), "ABC", ("bf16", "fp32"),
@@ -44,6 +45,8 @@ def test_every_backward_build_at_the_edge_sizes_matches_the_reference(variant, h
             config = dataclasses.replace(config, rows_per_program=1, programs=tokens)
         elif variant == "no_prefetch":
             config = dataclasses.replace(config, prefetch=False)
+        elif variant == "hoist_tables_early_streams":
+            config = dataclasses.replace(config, hoist_tables=True, early_streams=True)
         got = launch_backward(a, *rows, needs, lambda kernel: kernel, config)
         expected = reference_backward(a, *rows, needs)
         assert got.keys() == expected.keys()

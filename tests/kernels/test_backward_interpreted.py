@@ -7,6 +7,7 @@ slot and the fixed-order reduction are exercised. The kernel and the reference a
 the order of an fp32 row sum enters (a rare last-place flip of an activation gradient).
 """
 
+import dataclasses
 import itertools
 
 import pytest
@@ -67,6 +68,23 @@ def test_rows_in_chunks_many_programs_and_runs_of_the_index(site, index_runs):
     for rows_per_program, prefetch in itertools.product((1, 8), (False, True)):
         config = BackwardConfig(32, 1, rows_per_program, -(-45 // rows_per_program), prefetch)
         assert_same(*both(t, "bf16", False, Needs(), config))
+
+
+@pytest.mark.parametrize("site, asked, weighted", [("B", (), True), ("B", ("lead", "branch"), True), ("A", (), False)],
+                         ids=["B", "B_activations_only", "A_without_weight"])
+def test_held_tables_and_early_streams_give_the_same_bits(site, asked, weighted):
+    """``hoist_tables`` (the table rows' and weight's chunks held in registers: once a table row where rows are
+    sorted, at each row's start where not, as when only activation gradients are asked) and ``early_streams``
+    (the residual gradient and the branch loaded at the row's start) change where values are loaded, not what
+    is computed: every gradient bit for bit as the shipped build's, in chunks of 32 columns of H = 101, on
+    several programs."""
+    t = saved(site, 24, 101, 5, seed=8, weighted=weighted)
+    needs = Needs(**{name: not asked or name in asked for name in ("lead", "branch", "gate", "weight", "shift", "scale")})
+    shipped = BackwardConfig(32, 1, 8, 3)
+    expected = both(t, "bf16", False, needs, shipped)[0]
+    for hoist, early in ((True, False), (False, True), (True, True)):
+        got = both(t, "bf16", False, needs, dataclasses.replace(shipped, hoist_tables=hoist, early_streams=early))[0]
+        assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in expected)
 
 
 @pytest.mark.parametrize("site", ["A", "B", "C"])
