@@ -118,9 +118,9 @@ def test_the_same_bits_on_every_run():
     assert all(torch.equal(first[k], second[k]) for k in first)
 
 
-@pytest.mark.parametrize("bad", [-1, 4], ids=["negative", "past_the_last_row"])
-@pytest.mark.parametrize("needs", [Needs(), Needs(gate=False, weight=False, shift=False, scale=False)],
-                         ids=["tables_too", "activations_only"])
+@pytest.mark.parametrize("bad, needs", [(-1, Needs()), (4, Needs()),
+                                        (4, Needs(gate=False, weight=False, shift=False, scale=False))],
+                         ids=["negative", "past_the_last_row", "past_the_last_row_activations_only"])
 def test_an_index_out_of_range_fails_the_kernels_assertion(bad, needs):
     """The kernel launched without the host's check (as on CUDA): a row whose index is outside ``[0, K)`` fails the
     device assertion, also where the rows are visited in sorted order, where no table row's loop reaches it:
