@@ -17,8 +17,10 @@ row), ``dgate[i] += du_t * branch``, ``dw += dn * xhat`` (``* R(xhat)`` where ``
 ``contract.Rounding`` states the same contract; the ``NEED_*`` flags leave out what autograd does not ask for.
 
 Each program runs through ``rows_per_program`` consecutive rows, one row at a time, the row in registers in
-chunks of ``CHUNK`` columns (``PREFETCH``: the next row's streamed inputs loaded during the row's work), and
-adds each row's contribution to the table and weight gradients into fp32 registers. Where table gradients
+chunks of ``CHUNK`` columns (``PREFETCH``: the next row's streamed inputs loaded during the row's work;
+``HOIST_TABLES``: the weight's and the row's table chunks held in registers rather than loaded where each
+chunk uses them; ``EARLY_STREAMS``: ``du`` and ``branch`` loaded at the row's start, ahead of its first
+store), and adds each row's contribution to the table and weight gradients into fp32 registers. Where table gradients
 are needed (``SORTED``), the rows are visited in the order of a stable sort of the index (``order``; table
 row ``k``'s rows are sorted positions ``seg[k]`` to ``seg[k + 1] - 1``), so that a program's rows of each
 table row are contiguous: it sums them and writes the sums to slot ``program + k`` of a partial buffer
