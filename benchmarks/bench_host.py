@@ -1,24 +1,28 @@
 """Host time per call of each way to run a site, and where the calls spend it.
 
-    python benchmarks/bench_host.py [--sites A B C] [--tokens 3072] [--calls 300] [--profile WAY ...]
+    python benchmarks/bench_host.py [--sites A B C] [--tokens 3072] [--calls 300] [--rounds 5] [--profile WAY ...]
+        [--out benchmarks/results/host.json]
 
 For each site: the microseconds of host time per call, ``--calls`` calls back to back with one
 synchronisation at the end (a call that outruns the GPU queues work, so this is the host's rate, not
-the device's), for the public function (``public_op``: ``h3_fused.kernels.norm_modulate`` etc.; in eager
+the device's), the median of ``--rounds`` rounds that take the ways in turn (the host's speed drifts), for the public function (``public_op``: ``h3_fused.kernels.norm_modulate`` etc.; in eager
 the op's body without the dispatcher: argument checks, output allocation, launch), the op through the
 dispatcher (``dispatched_op``: ``torch.ops.h3_fused.*``, as a tracer or mode sees it), the argument checks
 alone (``check_args``), the launch as the benchmarks time kernels
 (``bare_launch``: ``sites.kernel_launch``, arguments checked once, outputs allocated once, the launch worked
 out per call), Triton's launcher alone (``triton_launch``: the launch worked out once, ``kernel[grid](...)``
 per call; what a direct call is measured against) and the op inside a compiled graph (``in_graph``); then the ``cProfile`` of the calls of
-each way named in ``--profile``, the functions with the most own time first.
+each way named in ``--profile``, the functions with the most own time first. One row per site and way in
+``--out`` (overwritten).
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import json
 import pstats
+import statistics
 import sys
 import time
 
@@ -55,10 +59,13 @@ def main():
     parser.add_argument("--sites", nargs="+", default=["A", "B", "C"], choices=["A", "B", "C"])
     parser.add_argument("--tokens", type=int, default=3072)
     parser.add_argument("--calls", type=int, default=300)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--profile", nargs="*", default=["public_op", "in_graph"],
                         choices=WAYS)
     parser.add_argument("--profile-lines", type=int, default=25)
+    parser.add_argument("--out", default="benchmarks/results/host.json")
     args = parser.parse_args()
+    rows = []
     for site in args.sites:
         inputs = make_inputs(site, args.tokens)
         op = fused_site(site, "bf16")
@@ -69,7 +76,10 @@ def main():
                 "check_args": lambda: check_args(**inputs, policy="bf16", has_norm=site != "C"),
                 "bare_launch": bare, "triton_launch": triton_launch(site, inputs, bare.outputs),
                 "in_graph": lambda: compiled(**inputs)}
-        times = {name: host_us_per_call(call, args.calls) for name, call in ways.items()}
+        rounds = [{name: host_us_per_call(call, args.calls) for name, call in ways.items()} for _ in range(args.rounds)]
+        times = {name: statistics.median(r[name] for r in rounds) for name in ways}
+        rows += [dict(site=site, tokens=args.tokens, way=name, us_per_call=us, rounds=args.rounds)
+                 for name, us in times.items()]
         print(f"{site} T={args.tokens}: " + "  ".join(f"{name} {us:6.1f} us" for name, us in times.items()),
               flush=True)
         for name in args.profile:
@@ -81,6 +91,8 @@ def main():
             profile.disable()
             torch.cuda.synchronize()
             pstats.Stats(profile, stream=sys.stdout).sort_stats("tottime").print_stats(args.profile_lines)
+    with open(args.out, "w") as f:
+        json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows), f, indent=1)
 
 
 if __name__ == "__main__":
