@@ -117,8 +117,10 @@ def locate(root: torch.nn.Module, name: str, calls: dict, compile_module, depth:
     levels below where the outputs differ."""
     args, kwargs, expected = calls[root]
     got = compile_module(root)(*args, **kwargs)
-    expected, got = torch.utils._pytree.tree_leaves(expected), torch.utils._pytree.tree_leaves(got)
-    share = mismatch([g for g in got if torch.is_tensor(g)], [e for e in expected if torch.is_tensor(e)])
+    expected = [e for e in torch.utils._pytree.tree_leaves(expected) if torch.is_tensor(e)]
+    if not expected:  # nothing to compare
+        return []
+    share = mismatch([g for g in torch.utils._pytree.tree_leaves(got) if torch.is_tensor(g)], expected)
     rows = [dict(module=name, outputs_equal=share == 0, mismatch=share)]
     if share and depth > 0:
         for child_name, child in root.named_children():
