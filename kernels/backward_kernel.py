@@ -88,6 +88,38 @@ def _normed_input_gradient(dy, scale, w, act: tl.constexpr, HAS_WEIGHT: tl.const
 
 
 @triton.jit
+def _input_gradients(dy, u32, r, mean_product, du, scale, w, act: tl.constexpr, HAS_GATE: tl.constexpr,
+                     HAS_NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr, ROUND_NORM: tl.constexpr,
+                     ROUND_NORM_BEFORE_WEIGHT: tl.constexpr, ROUND_AFFINE: tl.constexpr, INTERPRETED: tl.constexpr):
+    """``(du_t, dn, normed, n)`` of a block of a row's columns (or of several rows', ``r`` and ``mean_product``
+    broadcast to it): the gradient reaching the site's residual, the gradient reaching the norm's output, the
+    normalized row (``R(xhat)`` where the norm rounds before the weight) and the norm's output. Without a norm
+    ``du_t`` is the incoming ``du`` (fp32) and the others are it too (unused)."""
+    if HAS_NORM:
+        xhat = u32 * r
+        dn, dxhat = _normed_input_gradient(dy, scale, w, act, HAS_WEIGHT, ROUND_NORM, ROUND_NORM_BEFORE_WEIGHT,
+                                           ROUND_AFFINE, INTERPRETED)
+        du_n = r * (dxhat - xhat * mean_product)
+        if ROUND_NORM:
+            du_n = rounded(du_n, act, INTERPRETED)
+        if HAS_GATE:
+            du_t = du + du_n
+            if ROUND_NORM:
+                du_t = rounded(du_t, act, INTERPRETED)
+        else:
+            du_t = du_n
+        normed = xhat
+        if ROUND_NORM_BEFORE_WEIGHT:
+            normed = rounded(normed, act, INTERPRETED)
+        n = normed * widened(w) if HAS_WEIGHT else normed
+        if ROUND_NORM:
+            n = rounded(n, act, INTERPRETED)
+    else:
+        du_t, dn, normed, n = du, du, du, du
+    return du_t, dn, normed, n
+
+
+@triton.jit
 def _row(s, valid, order_ptr, idx_ptr, num_table_rows, SORTED: tl.constexpr):
     """``(t, k)``: the row at position ``s`` of the visiting order and its table row (clamped: every load reads
     in bounds, whatever the index; an index out of range fails the assertion)."""
@@ -190,6 +222,7 @@ def modulation_backward_kernel(
             dus = _chunks(du_ptr, t, stride_du, s < end, lanes, HAS_GATE and EARLY_STREAMS, CHUNK, HIDDEN)
             branches = _chunks(branch_ptr, t, stride_branch, s < end, lanes, NEED_GATE and EARLY_STREAMS, CHUNK,
                                HIDDEN)
+            r, mean_product = 0.0, 0.0
             if HAS_NORM:  # pass 1: the row's sum of squares and sum(dxhat * u)
                 squares = tl.zeros([CHUNK], tl.float32)
                 products = tl.zeros([CHUNK], tl.float32)
@@ -209,36 +242,22 @@ def modulation_backward_kernel(
             for c in tl.static_range(CHUNKS):  # pass 2: the row's gradients
                 cols = c * CHUNK + lanes
                 ok = cols < HIDDEN
-                if HAS_GATE:
-                    du_t = _chunk_of(dus, c, du_ptr, t, stride_du, cols, ok, EARLY_STREAMS, True).to(tl.float32)
+                du = _chunk_of(dus, c, du_ptr, t, stride_du, cols, ok, EARLY_STREAMS, True).to(tl.float32) \
+                    if HAS_GATE else 0.0
+                dy, u32, scale, w = 0.0, 0.0, 0.0, 0.0
                 if HAS_NORM:
-                    dy = dys[c]
-                    xhat = widened(us[c]) * r
+                    dy, u32 = dys[c], widened(us[c])
                     scale = _chunk_of(scales, c, scale_ptr, k, stride_scale, cols, ok, HOIST_TABLES)
                     w = _chunk_of(ws, c, w_ptr, 0, 0, cols, ok, HOIST_TABLES) if HAS_WEIGHT else 0.0
-                    dn, dxhat = _normed_input_gradient(dy, scale, w, act, HAS_WEIGHT, ROUND_NORM, ROUND_NORM_BEFORE_WEIGHT,
-                                                       ROUND_AFFINE, INTERPRETED)
-                    du_n = r * (dxhat - xhat * mean_product)
-                    if ROUND_NORM:
-                        du_n = rounded(du_n, act, INTERPRETED)
-                    if HAS_GATE:
-                        du_t = du_t + du_n
-                        if ROUND_NORM:
-                            du_t = rounded(du_t, act, INTERPRETED)
-                    else:
-                        du_t = du_n
-                    normed = xhat
-                    if ROUND_NORM_BEFORE_WEIGHT:
-                        normed = rounded(normed, act, INTERPRETED)
-                    if NEED_W:
-                        acc_w = _add_at(acc_w, c, dn * normed)
-                    if NEED_SHIFT:
-                        acc_shift = _add_at(acc_shift, c, widened(dy))
-                    if NEED_SCALE:
-                        n = normed * widened(w) if HAS_WEIGHT else normed
-                        if ROUND_NORM:
-                            n = rounded(n, act, INTERPRETED)
-                        acc_scale = _add_at(acc_scale, c, widened(dy) * n)
+                du_t, dn, normed, n = _input_gradients(dy, u32, r, mean_product, du, scale, w, act, HAS_GATE, HAS_NORM,
+                                                       HAS_WEIGHT, ROUND_NORM, ROUND_NORM_BEFORE_WEIGHT, ROUND_AFFINE,
+                                                       INTERPRETED)
+                if NEED_W:
+                    acc_w = _add_at(acc_w, c, dn * normed)
+                if NEED_SHIFT:
+                    acc_shift = _add_at(acc_shift, c, widened(dy))
+                if NEED_SCALE:
+                    acc_scale = _add_at(acc_scale, c, widened(dy) * n)
                 if NEED_X:
                     tl.store(dx_ptr + t * HIDDEN + cols, rounded(du_t, act, INTERPRETED).to(act), mask=ok)
                 if NEED_BRANCH:
