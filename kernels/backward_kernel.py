@@ -1,5 +1,7 @@
-"""The backward kernels: one parameterised Triton kernel for the gradients of the three sites, and the
-fixed-order reduction of its per-program partial sums (device code only; ``launch_backward.py`` launches them).
+"""The backward kernels: one parameterised Triton kernel for the gradients of the three sites (and a staged
+variant of it, ``staged_backward_kernel``, a candidate that keeps the sums in memory instead of registers),
+and the fixed-order reduction of their per-program partial sums (device code only; ``launch_backward.py``
+launches them).
 
 Per row ``t`` (``i = index[t]``, fp32 unless said, ``R`` = round to the activation dtype where
 ``ROUND_NORM``; the forward's ``u`` is read back: ``x`` at site A, the stored residual at site B):
