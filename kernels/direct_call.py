@@ -7,19 +7,20 @@ watching the call, so the public functions (``ops.py``) skip both exactly when `
 other call goes through ``torch.ops.h3_fused.*`` (docs/DESIGN.md, "Direct calls in eager").
 
 A direct call's host time is then the checks of its arguments and the working out of its launch, which
-depend only on the arguments' layout (shapes, strides, dtypes, devices) and scalars: ``DirectLaunch`` is that
-work done once per layout, and a later call of the same layout launches from it.
+depend only on the arguments' layout (shapes, strides, dtypes, devices, pointer alignment) and scalars:
+``DirectLaunch`` is that work done once per layout, and a later call of the same layout launches from it, on
+CUDA through the launcher of the kernel its first call compiled (``launch.CompiledLaunch``).
 """
 
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from .arguments import check_args, check_index_on_host
-from .launch import KernelLaunch, plan_launch, triton_allowed
+from .launch import CompiledLaunch, KernelLaunch, no_launch_hooks, plan_launch, triton_allowed
 
 SCALARS = (bool, int, float, str)
 PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)  # a Parameter dispatches as a plain tensor
@@ -47,8 +48,9 @@ def untraced(values) -> bool:
 def call_layout(values) -> tuple | None:
     """The layout of a call with these argument values where the call may skip the dispatcher: it is
     ``untraced`` and autograd would not record it (grad mode off, or no tensor requiring grad; else the
-    dispatcher's autograd layer refuses it, ``ops._refuse_grad``). Each tensor as its shape, strides, dtype and
-    device, every other value with its type (``1`` and ``True`` are different layouts). None otherwise."""
+    dispatcher's autograd layer refuses it, ``ops._refuse_grad``). Each tensor as its shape, strides, dtype,
+    device and whether its data is 16-byte aligned (which Triton specialises a pointer on), every other value
+    with its type (``1`` and ``True`` are different layouts). None otherwise."""
     if not _nothing_watching():
         return None
     grad = torch.is_grad_enabled()
@@ -58,7 +60,7 @@ def call_layout(values) -> tuple | None:
         if kind in PLAIN_TENSORS:
             if grad and v.requires_grad:
                 return None
-            layout.append((v.shape, v.stride(), v.dtype, v.device))
+            layout.append((v.shape, v.stride(), v.dtype, v.device, v.data_ptr() % 16 == 0))
         elif v is None or kind in SCALARS:
             layout.append((kind, v))
         else:
@@ -66,13 +68,15 @@ def call_layout(values) -> tuple | None:
     return tuple(layout)
 
 
-@dataclass(frozen=True)
+@dataclass
 class DirectLaunch:
     """A direct call of one layout: the launch (``launch``) on the call's argument values at ``positions`` (one
     per slot of the launch; each value is the tensor the slot reads, a view of it at most), into new contiguous
     outputs shaped as the first slot's tensor (``x`` or the residual; ``u`` where ``want_u``, ``y`` where
     ``want_y``), on ``device`` (made current for the launch). Under the interpreter (CPU tensors) the index
-    is checked on the host first (``index_position``, ``num_table_rows``)."""
+    is checked on the host first (``index_position``, ``num_table_rows``). On CUDA the first call launches
+    through Triton's ``JITFunction.run`` and keeps the kernel it compiled (``compiled``); later calls launch
+    that kernel directly while Triton has no launch hook."""
 
     launch: KernelLaunch
     positions: tuple[int, ...]
@@ -81,6 +85,7 @@ class DirectLaunch:
     want_y: bool
     index_position: int | None
     num_table_rows: int
+    compiled: CompiledLaunch | None = field(default=None, compare=False)
 
     def __call__(self, values):
         """The op's outputs for a call with these argument values (of this layout): ``y`` (site A), ``(u, y)``
@@ -93,10 +98,18 @@ class DirectLaunch:
                 for wanted in (self.want_u, self.want_y))
         if self.device.type == "cuda" and self.device.index != torch._C._cuda_getDevice():
             with torch.cuda.device(self.device):  # Triton launches on the current device
-                self.launch(tensors, u, y, _direct)
+                self._launch(tensors, u, y)
         else:
-            self.launch(tensors, u, y, _direct)
+            self._launch(tensors, u, y)
         return (u, y) if self.want_u and self.want_y else (u if self.want_u else y)
+
+    def _launch(self, tensors, u, y):
+        if self.compiled is not None and no_launch_hooks():
+            self.compiled(tensors, u, y, torch._C._cuda_getCurrentRawStream(self.device.index))
+            return
+        kernel = self.launch(tensors, u, y, _direct)
+        if self.device.type == "cuda" and self.compiled is None:
+            self.compiled = self.launch.bind(kernel)
 
 
 def _direct(kernel):

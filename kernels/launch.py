@@ -8,9 +8,12 @@ what it measured) and the configurations measured and rejected.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+from triton import knobs
 
 from .arguments import ModulationArgs
 from .contract import Rounding
@@ -191,6 +194,50 @@ class KernelLaunch:
         return wrap(modulation_kernel)[self.grid](
             *tensors, y if u is None else u, u if y is None else y, *self.scalars, **self.constexprs,
             num_warps=self.num_warps)
+
+
+    def bind(self, compiled) -> CompiledLaunch | None:
+        """This launch bound to ``compiled``, the kernel Triton compiled for it (what a direct launch returned),
+        or None where that kernel has no launcher of the form Inductor's launchers call."""
+        run = getattr(compiled, "run", None)
+        function = getattr(compiled, "function", None)
+        names = modulation_kernel.arg_names
+        positional = len(self.slots) + 2 + len(self.scalars)
+        if run is None or function is None or set(names[positional:]) != set(self.constexprs):
+            return None
+        return CompiledLaunch(run, function, getattr(compiled, "packed_metadata", compiled.metadata),
+                              (*self.grid, 1, 1)[:3], self.scalars,
+                              tuple(self.constexprs[name] for name in names[positional:]))
+
+
+@dataclass(frozen=True)
+class CompiledLaunch:
+    """A ``KernelLaunch`` bound to the kernel Triton compiled for it: a launch calls that kernel's launcher
+    (``CompiledKernel.run``, with the arguments Inductor's generated launchers pass it) instead of
+    ``JITFunction.run``, which binds and specialises every argument again to find the same kernel.
+
+    Valid only for arguments of the layout it was compiled for, which fixes everything Triton specialises on:
+    the dtypes, the integer arguments (row counts and strides, from the shapes and strides), the 16-byte
+    alignment of every pointer, the device; and only while Triton has no launch hook (``no_launch_hooks``),
+    since it passes none."""
+
+    run: Callable
+    function: Any
+    metadata: Any
+    grid: tuple[int, int, int]
+    scalars: tuple
+    constexprs: tuple
+
+    def __call__(self, tensors, u: torch.Tensor | None, y: torch.Tensor | None, stream: int):
+        self.run(*self.grid, stream, self.function, self.metadata, None, None, None, *tensors,
+                 y if u is None else u, u if y is None else y, *self.scalars, *self.constexprs)
+
+
+def no_launch_hooks() -> bool:
+    """Whether Triton has no launch enter or exit hook (a profiler such as proton installs them); the hooks are
+    None or an empty ``HookChain``, as the Triton release has it."""
+    return all(hook is None or getattr(hook, "calls", None) == []
+               for hook in (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook))
 
 
 def plan_launch(a: ModulationArgs, config: LaunchConfig | None = None) -> KernelLaunch:

@@ -134,6 +134,46 @@ def test_out_of_range_index_traps_with_a_message(compiled):
     assert "index out of range" in proc.stdout + proc.stderr
 
 
+@pytest.mark.parametrize("site", ["A", "B", "C"])
+def test_direct_calls_of_a_layout_launch_the_kernel_its_first_call_compiled(site):
+    """A layout's first direct call launches through Triton's ``JITFunction.run`` and keeps the kernel it
+    compiled; later calls launch that kernel (``launch.CompiledLaunch``): on new values, on a side stream, and
+    interleaved with a view 2 bytes off 16-byte alignment (another layout: Triton specialises a pointer on its
+    alignment), each gives the dispatched op's outputs."""
+    from h3_fused.kernels import gate_norm_modulate, gate_residual, norm_modulate
+
+    public = {"A": norm_modulate, "B": gate_norm_modulate, "C": gate_residual}[site]
+    public.launches.clear()
+    op, dispatched = fused_site(site, "bf16"), fused_site(site, "bf16", dispatcher=True)
+    lead = "x" if site == "A" else "residual"
+
+    def off_alignment(inputs):  # the same values, the activations one bf16 element past an aligned start
+        wide = torch.empty(inputs[lead].numel() + 1, dtype=inputs[lead].dtype, device="cuda")
+        shifted = wide[1:].view_as(inputs[lead]).copy_(inputs[lead])
+        assert shifted.data_ptr() % 16 == 2
+        return {**inputs, lead: shifted}
+
+    def same(got, want):
+        return all(torch.equal(g, w) for g, w in zip(got if isinstance(got, tuple) else (got,),
+                                                     want if isinstance(want, tuple) else (want,)))
+
+    op(**make_inputs(site, 3072, seed=1))
+    (launch,) = public.launches.values()
+    assert launch is not None and launch.compiled is not None
+    side = torch.cuda.Stream()
+    for seed in (2, 3):
+        inputs = make_inputs(site, 3072, seed=seed)
+        shifted = off_alignment(inputs)
+        assert same(op(**inputs), dispatched(**inputs))
+        assert same(op(**shifted), dispatched(**shifted))
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            got = op(**inputs)
+        torch.cuda.current_stream().wait_stream(side)
+        assert same(got, dispatched(**inputs))
+    assert len(public.launches) == 2
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 @pytest.mark.parametrize("dispatcher", [False, True], ids=["direct", "dispatched"])
 @pytest.mark.parametrize("site", ["A", "B", "C"])
