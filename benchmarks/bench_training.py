@@ -142,8 +142,7 @@ def backward_config_rows(site: str, tokens: int, hidden: int, rounds: int) -> li
                "warps8_no_prefetch": dataclasses.replace(shipped, num_warps=8, prefetch=False),
                "hoist_tables": dataclasses.replace(shipped, hoist_tables=True),
                "early_streams": dataclasses.replace(shipped, early_streams=True),
-               "hoist_tables_early_streams": dataclasses.replace(shipped, hoist_tables=True, early_streams=True),
-               "staged_4_rows": dataclasses.replace(shipped, group_rows=4, chunk=512, num_warps=8, **programs(2))}
+               "hoist_tables_early_streams": dataclasses.replace(shipped, hoist_tables=True, early_streams=True)}
     needs = Needs(lead=site != "C")
     runs = {name: (lambda c=c: launch_backward(a, *rows_, needs, lambda kernel: kernel, c))
             for name, c in configs.items()}

@@ -1,7 +1,5 @@
-"""The backward kernels: one parameterised Triton kernel for the gradients of the three sites (and a staged
-variant of it, ``staged_backward_kernel``, a candidate that keeps the sums in memory instead of registers),
-and the fixed-order reduction of their per-program partial sums (device code only; ``launch_backward.py``
-launches them).
+"""The backward kernels: one parameterised Triton kernel for the gradients of the three sites, and the
+fixed-order reduction of its per-program partial sums (device code only; ``launch_backward.py`` launches them).
 
 Per row ``t`` (``i = index[t]``, fp32 unless said, ``R`` = round to the activation dtype where
 ``ROUND_NORM``; the forward's ``u`` is read back: ``x`` at site A, the stored residual at site B):
@@ -280,113 +278,6 @@ def modulation_backward_kernel(
             acc_shift, acc_scale, acc_gate = _zeros(CHUNKS, CHUNK), _zeros(CHUNKS, CHUNK), _zeros(CHUNKS, CHUNK)
     if NEED_W:
         _flush(acc_w, part_w_ptr, program, end > begin, lanes, CHUNK, HIDDEN)
-
-
-@triton.jit
-def _add_into(part_ptr, slot, cols, ok, value, HIDDEN: tl.constexpr):
-    """``part[slot, cols] += value`` where ``ok``: a partial slot only this program writes, read and written back."""
-    ptrs = part_ptr + slot * HIDDEN + cols
-    tl.store(ptrs, tl.load(ptrs, mask=ok, other=0.0) + value, mask=ok)
-
-
-@triton.jit
-def _tile(ptr, rows, stride, cols, mask, STREAMED: tl.constexpr = True):
-    """``[G, CHUNK]`` of a ``[R, H]`` tensor (``rows`` ``[G]``, ``cols`` ``[CHUNK]``); a streamed one bypasses L1."""
-    if STREAMED:
-        tile = tl.load(ptr + rows[:, None] * stride + cols[None, :], mask=mask, other=0.0, cache_modifier=".cg")
-    else:
-        tile = tl.load(ptr + rows[:, None] * stride + cols[None, :], mask=mask, other=0.0)
-    return tile
-
-
-@triton.jit(debug=True)
-def staged_backward_kernel(
-    u_ptr, branch_ptr, gate_ptr, w_ptr, scale_ptr, idx_ptr, order_ptr, dy_ptr, du_ptr, dx_ptr, dbranch_ptr,
-    part_shift_ptr, part_scale_ptr, part_gate_ptr, part_w_ptr,
-    n_rows, num_table_rows, rows_per_program, eps,
-    stride_u, stride_branch, stride_gate, stride_scale, stride_dy, stride_du,
-    HIDDEN: tl.constexpr, HAS_GATE: tl.constexpr, HAS_NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-    ROUND_NORM: tl.constexpr, ROUND_NORM_BEFORE_WEIGHT: tl.constexpr, ROUND_AFFINE: tl.constexpr,
-    NEED_X: tl.constexpr, NEED_BRANCH: tl.constexpr, NEED_SHIFT: tl.constexpr, NEED_SCALE: tl.constexpr,
-    NEED_GATE: tl.constexpr, NEED_W: tl.constexpr, SORTED: tl.constexpr, INTERPRETED: tl.constexpr,
-    CHUNK: tl.constexpr, GROUP: tl.constexpr,
-):
-    """The gradients of ``modulation_backward_kernel``, with the sums out of registers: each program takes its
-    rows (in the visiting order) ``GROUP`` at a time, as ``[GROUP, CHUNK]`` tiles. Pass 1 reads the rows' ``dy``
-    and ``u`` for their ``r`` and ``mean(dxhat * xhat)``; pass 2 reads them again (from L2, where pass 1 left
-    them) with ``du`` and ``branch``, writes the activation gradients and adds the tiles' column sums over
-    their rows of each table row into the program's partial slots in global memory (``program + k``, as the
-    row-at-a-time kernel's; the weight's ``program``), which the host zeroes. A slot's sum adds the groups in
-    order, each group's rows by ``tl.sum``: a fixed order, the same bits on every run."""
-    act: tl.constexpr = dx_ptr.dtype.element_ty
-    CHUNKS: tl.constexpr = triton.cdiv(HIDDEN, CHUNK)
-    GROUPED: tl.constexpr = NEED_SHIFT or NEED_SCALE or NEED_GATE
-    program = tl.program_id(0).to(tl.int64)  # int64 throughout: no int32 overflow checks under debug=True
-    begin = program * rows_per_program
-    end = tl.minimum(begin + rows_per_program, n_rows)
-    lanes = tl.arange(0, CHUNK)
-    for first in range(begin, end, GROUP):
-        positions = first + tl.arange(0, GROUP)
-        valid = positions < end
-        t, k = _row(positions, valid, order_ptr, idx_ptr, num_table_rows, SORTED)
-        r, mean_product = 0.0, 0.0
-        if HAS_NORM:  # pass 1: each row's sum of squares and sum(dxhat * u)
-            squares = tl.zeros([GROUP], tl.float32)
-            products = tl.zeros([GROUP], tl.float32)
-            for c in tl.static_range(CHUNKS):
-                cols = c * CHUNK + lanes
-                mask = valid[:, None] & (cols < HIDDEN)[None, :]
-                u32 = widened(_tile(u_ptr, t, stride_u, cols, mask, False))  # kept in L2 for pass 2
-                scale = _tile(scale_ptr, k, stride_scale, cols, mask, False)
-                w = tl.load(w_ptr + cols, mask=cols < HIDDEN, other=0.0)[None, :] if HAS_WEIGHT else 0.0
-                _, dxhat = _normed_input_gradient(_tile(dy_ptr, t, stride_dy, cols, mask, False), scale, w, act,
-                                                  HAS_WEIGHT, ROUND_NORM, ROUND_NORM_BEFORE_WEIGHT, ROUND_AFFINE,
-                                                  INTERPRETED)
-                squares += tl.sum(u32 * u32, axis=1)
-                products += tl.sum(dxhat * u32, axis=1)
-            r = rsqrt(squares * tl.cast(1.0 / HIDDEN, tl.float32) + tl.cast(eps, tl.float32), INTERPRETED)
-            mean_product = (products * r * tl.cast(1.0 / HIDDEN, tl.float32))[:, None]  # mean(dxhat * xhat)
-            r = r[:, None]
-        if GROUPED:  # the group's table rows: an interval, the rows being sorted
-            k_first = tl.min(tl.where(valid, k, num_table_rows), axis=0)
-            k_last = tl.max(tl.where(valid, k, -1), axis=0)
-        for c in tl.static_range(CHUNKS):  # pass 2: the rows' gradients and their sums
-            cols = c * CHUNK + lanes
-            ok = cols < HIDDEN
-            mask = valid[:, None] & ok[None, :]
-            du = _tile(du_ptr, t, stride_du, cols, mask).to(tl.float32) if HAS_GATE else 0.0
-            dy, u32, scale, w = 0.0, 0.0, 0.0, 0.0
-            if HAS_NORM:
-                dy = _tile(dy_ptr, t, stride_dy, cols, mask)
-                u32 = widened(_tile(u_ptr, t, stride_u, cols, mask))
-                scale = _tile(scale_ptr, k, stride_scale, cols, mask, False)
-                w = tl.load(w_ptr + cols, mask=ok, other=0.0)[None, :] if HAS_WEIGHT else 0.0
-            du_t, dn, normed, n = _input_gradients(dy, u32, r, mean_product, du, scale, w, act, HAS_GATE, HAS_NORM,
-                                                   HAS_WEIGHT, ROUND_NORM, ROUND_NORM_BEFORE_WEIGHT, ROUND_AFFINE,
-                                                   INTERPRETED)
-            if NEED_X:
-                tl.store(dx_ptr + t[:, None] * HIDDEN + cols[None, :], rounded(du_t, act, INTERPRETED).to(act),
-                         mask=mask)
-            if NEED_BRANCH:
-                gate = _tile(gate_ptr, k, stride_gate, cols, mask, False)
-                tl.store(dbranch_ptr + t[:, None] * HIDDEN + cols[None, :],
-                         rounded(du_t * widened(gate), act, INTERPRETED).to(act), mask=mask)
-            if NEED_W:
-                _add_into(part_w_ptr, program, cols, ok, tl.sum(tl.where(mask, dn * normed, 0.0), axis=0), HIDDEN)
-            if GROUPED:
-                if NEED_GATE:
-                    gated = du_t * widened(_tile(branch_ptr, t, stride_branch, cols, mask))
-                for table_row in range(k_first, k_last + 1):
-                    rows_of = mask & (k == table_row)[:, None]
-                    slot = program + table_row
-                    if NEED_SHIFT:
-                        _add_into(part_shift_ptr, slot, cols, ok, tl.sum(tl.where(rows_of, widened(dy), 0.0), axis=0),
-                                  HIDDEN)
-                    if NEED_SCALE:
-                        _add_into(part_scale_ptr, slot, cols, ok,
-                                  tl.sum(tl.where(rows_of, widened(dy) * n, 0.0), axis=0), HIDDEN)
-                    if NEED_GATE:
-                        _add_into(part_gate_ptr, slot, cols, ok, tl.sum(tl.where(rows_of, gated, 0.0), axis=0), HIDDEN)
 
 
 @triton.jit

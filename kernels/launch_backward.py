@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from .arguments import ModulationArgs
-from .backward_kernel import modulation_backward_kernel, reduce_partials_kernel, staged_backward_kernel
+from .backward_kernel import modulation_backward_kernel, reduce_partials_kernel
 from .launch import ceil_div, interpreting
 
 BACKWARD_MAX_CHUNK = 2048  # columns of a row a program holds at a time: 4 per thread on 16 warps
@@ -50,9 +50,7 @@ class BackwardConfig:
     weight's chunks loaded once a program, the ``scale`` and ``gate`` rows' once a table row where the rows
     are sorted (else at each row's start), all held in registers instead of loaded where each chunk uses
     them; ``early_streams``: the incoming residual gradient and the branch loaded at the row's start, ahead
-    of its first store (which a later load cannot pass: it may alias). ``group_rows`` > 0: the staged kernel
-    instead (``staged_backward_kernel``: that many rows at a time, the sums in partial slots in memory; the
-    three flags above are the row-at-a-time kernel's)."""
+    of its first store (which a later load cannot pass: it may alias)."""
 
     chunk: int
     num_warps: int
@@ -61,7 +59,6 @@ class BackwardConfig:
     prefetch: bool = True
     hoist_tables: bool = False
     early_streams: bool = False
-    group_rows: int = 0
 
 
 def backward_config(hidden: int, rows, device: torch.device, has_norm: bool = True) -> BackwardConfig:
@@ -108,14 +105,8 @@ def launch_backward(a: ModulationArgs, u: torch.Tensor | None, dy: torch.Tensor 
     else:
         order = seg = a.index  # not read
 
-    staged = config.group_rows > 0
-    if staged and config.group_rows & (config.group_rows - 1):
-        raise ValueError(f"config.group_rows={config.group_rows}: the staged kernel takes a power of 2 of rows at a time")
-
-    def partials(count, wanted):  # the staged kernel adds into its slots
-        if not wanted:
-            return dy_or_du
-        return (torch.zeros if staged else torch.empty)((count, a.hidden), dtype=torch.float32, device=a.device)
+    def partials(count, wanted):
+        return torch.empty((count, a.hidden), dtype=torch.float32, device=a.device) if wanted else dy_or_du
 
     dy_or_du = dy if dy is not None else du
     slots = config.programs + a.num_table_rows
@@ -125,28 +116,23 @@ def launch_backward(a: ModulationArgs, u: torch.Tensor | None, dy: torch.Tensor 
     table_alias = a.gate if has_gate else a.scale
     out_alias = next(iter(grads.values()), dy_or_du)
     scale = a.scale if has_norm else table_alias
-    pointers = (rows_alias, a.branch if has_gate else rows_alias, table_alias,
-                a.weight if a.weight is not None else scale, scale, a.index, order)
-    streams = (dy if dy is not None else rows_alias, du if du is not None else rows_alias,
-               grads.get("lead", out_alias), grads.get("branch", out_alias),
-               part["shift"], part["scale"], part["gate"], part["weight"],
-               a.rows, a.num_table_rows, config.rows_per_program, a.eps,
-               rows_alias.stride(0), (a.branch if has_gate else rows_alias).stride(0), table_alias.stride(0),
-               scale.stride(0), (dy if dy is not None else rows_alias).stride(0),
-               (du if du is not None else rows_alias).stride(0))
-    constexprs = dict(
+    wrap(modulation_backward_kernel)[(config.programs,)](
+        rows_alias, a.branch if has_gate else rows_alias, table_alias, a.weight if a.weight is not None else scale,
+        scale, a.index, order, seg, dy if dy is not None else rows_alias, du if du is not None else rows_alias,
+        grads.get("lead", out_alias), grads.get("branch", out_alias),
+        part["shift"], part["scale"], part["gate"], part["weight"],
+        a.rows, a.num_table_rows, config.rows_per_program, a.eps,
+        rows_alias.stride(0), (a.branch if has_gate else rows_alias).stride(0), table_alias.stride(0),
+        scale.stride(0), (dy if dy is not None else rows_alias).stride(0),
+        (du if du is not None else rows_alias).stride(0),
         HIDDEN=a.hidden, HAS_GATE=has_gate, HAS_NORM=has_norm, HAS_WEIGHT=a.weight is not None,
         ROUND_NORM=a.rounding.norm_output, ROUND_NORM_BEFORE_WEIGHT=a.rounding.norm_before_weight,
         ROUND_AFFINE=a.rounding.affine, NEED_X=needs.lead, NEED_BRANCH=needs.branch and has_gate,
         NEED_SHIFT=want["shift"], NEED_SCALE=want["scale"], NEED_GATE=want["gate"], NEED_W=need_w,
-        SORTED=grouped, INTERPRETED=interpreting(), CHUNK=config.chunk)
-    if staged:
-        wrap(staged_backward_kernel)[(config.programs,)](*pointers, *streams, **constexprs, GROUP=config.group_rows,
-                                                         num_warps=config.num_warps)
-    else:
-        wrap(modulation_backward_kernel)[(config.programs,)](
-            *pointers, seg, *streams, **constexprs, PREFETCH=config.prefetch, HOIST_TABLES=config.hoist_tables,
-            EARLY_STREAMS=config.early_streams, num_warps=config.num_warps)
+        SORTED=grouped, PREFETCH=config.prefetch, HOIST_TABLES=config.hoist_tables,
+        EARLY_STREAMS=config.early_streams, INTERPRETED=interpreting(), CHUNK=config.chunk,
+        num_warps=config.num_warps,
+    )
     tables = {name: getattr(a, name) for name, wanted in want.items() if wanted}
     if need_w:
         tables["weight"] = a.weight

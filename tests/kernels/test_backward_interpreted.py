@@ -88,22 +88,6 @@ def test_held_tables_and_early_streams_give_the_same_bits(site, asked, weighted)
 
 
 @pytest.mark.parametrize("site", ["A", "B", "C"])
-@pytest.mark.parametrize("group_rows", [1, 4])
-def test_the_staged_build_matches_the_reference(site, group_rows):
-    """The staged kernel (``group_rows`` rows at a time, the sums added into partial slots in memory): every
-    gradient as the reference's, on 3 programs of 9 rows (groups of 4, 4 and 1, or 9 of 1; the last program's
-    7 rows end inside a group), the index drawn per row, with table gradients and with the activations' alone;
-    the same bits on a second run."""
-    t = saved(site, 25, 101, 5, seed=9)
-    config = BackwardConfig(32, 1, 9, 3, group_rows=group_rows)
-    for needs in (Needs(), Needs(gate=False, weight=False, shift=False, scale=False)):
-        got, ref = both(t, "bf16", False, needs, config)
-        assert_same(got, ref)
-        again = both(t, "bf16", False, needs, config)[0]
-        assert all(torch.equal(got[k], again[k]) for k in got)
-
-
-@pytest.mark.parametrize("site", ["A", "B", "C"])
 @pytest.mark.parametrize("asked", [("lead",), ("lead", "branch"), ("shift", "scale"), ("gate",), ("weight",)])
 def test_only_what_is_asked_is_computed(site, asked):
     t = saved(site, 20, 64, 3, seed=5)
