@@ -50,6 +50,8 @@ VARIANTS = {  # name -> (backend, options)
     "inductor_epc": ("inductor", {"emulate_precision_casts": True}),
     "h3_fused_fp32": ("h3_fused", {"dtype_policy": "fp32"}),
     "h3_fused_bf16": ("h3_fused", {"dtype_policy": "bf16"}),
+    # the norms outside the sites left to Inductor: the cost of computing them with eager's kernels
+    "h3_fused_bf16_inductor_norms": ("h3_fused", {"dtype_policy": "bf16", "eager_norms": False}),
 }
 
 
@@ -271,9 +273,13 @@ def main():
     parser.add_argument("--traj-tokens", type=int, default=2048)
     parser.add_argument("--diffusers-blocks", type=int, default=4)
     parser.add_argument("--parts", default="compile,block,model,trajectory")
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help="the variants the block, diffusers and trajectory parts run (eager always)")
     parser.add_argument("--compile-variants", default="inductor,inductor_epc,h3_fused_fp32,h3_fused_bf16")
     parser.add_argument("--compile-variant", help=argparse.SUPPRESS)  # one compile-time child process
     args = parser.parse_args()
+    for name in [v for v in VARIANTS if v != "eager" and v not in args.variants.split(",")]:
+        del VARIANTS[name]
     if args.compile_variant:
         print(json.dumps(time_compiles(args.compile_variant)))
         return

@@ -129,7 +129,7 @@ def backward_config_rows(site: str, tokens: int, hidden: int, rounds: int) -> li
                   dy=incoming if site != "C" else None, du=incoming if site != "A" else None)
     a = _forward_args(**values, eps=1e-5, policy="bf16", norm_rounds_before_weight=False, upcast_tables=False)
     rows_ = (_rows(values["u"], a, "u"), _rows(values["dy"], a, "dy"), _rows(values["du"], a, "du"))
-    shipped = backward_config(hidden, tokens, a.device, site != "C")
+    shipped = backward_config(hidden, tokens, a.device, site != "C", site != "A")
     sms = torch.cuda.get_device_properties(a.device).multi_processor_count
 
     def programs(per_sm):
@@ -140,9 +140,8 @@ def backward_config_rows(site: str, tokens: int, hidden: int, rounds: int) -> li
                "two_programs_per_sm": dataclasses.replace(shipped, **programs(2)),
                "warps8": dataclasses.replace(shipped, num_warps=8),
                "warps8_no_prefetch": dataclasses.replace(shipped, num_warps=8, prefetch=False),
-               "hoist_tables": dataclasses.replace(shipped, hoist_tables=True),
-               "early_streams": dataclasses.replace(shipped, early_streams=True),
-               "hoist_tables_early_streams": dataclasses.replace(shipped, hoist_tables=True, early_streams=True)}
+               "hoist_tables_toggled": dataclasses.replace(shipped, hoist_tables=not shipped.hoist_tables),
+               "early_streams_toggled": dataclasses.replace(shipped, early_streams=not shipped.early_streams)}
     needs = Needs(lead=site != "C")
     runs = {name: (lambda c=c: launch_backward(a, *rows_, needs, lambda kernel: kernel, c))
             for name, c in configs.items()}

@@ -41,7 +41,7 @@ BLOCKS = 2
 
 def mismatch(got, expected) -> float:
     """The share of elements of the outputs ``got`` (tensors) that differ from ``expected``'s bits."""
-    differ = sum(int((g.view(-1) != e.view(-1)).sum()) for g, e in zip(got, expected))
+    differ = sum(int((g.reshape(-1) != e.reshape(-1)).sum()) for g, e in zip(got, expected))
     return differ / sum(e.numel() for e in expected)
 
 

@@ -1,7 +1,8 @@
 """``H3FusionPass``: the Inductor post-grad pass that fuses every modulation site it can prove.
 
 Order: find site-A outputs and site-C outputs, merge each C whose stored residual feeds an A into one
-B-shaped site, then replace. Candidates that fail a check are left untouched and logged with the
+B-shaped site, then replace; under ``bf16``, then put eager's own kernels where an RMSNorm is left outside the
+sites. Candidates that fail a check are left untouched and logged with the
 reason. The pass is a ``CustomGraphPass`` whose ``uuid()`` hashes the pattern, kernel and pass sources
 and the options, so the FX graph cache stays on and a change of any of them misses.
 """
@@ -22,7 +23,7 @@ from torch.fx import Graph
 
 from .logs import log, refuse
 from .options import FusionOptions
-from .replace import replace_sites
+from .replace import replace_norms, replace_sites
 
 
 def _sources() -> tuple[str, ...]:
@@ -69,9 +70,9 @@ class H3FusionPass(INFERENCE_AWARE or CustomGraphPass):
                 chained(graph)
 
     def fuse(self, graph: Graph) -> int:
-        """Replace every site of ``graph``; the number replaced."""
+        """Replace every site of ``graph``, then (``bf16``) the RMSNorms outside them; the number replaced."""
         sites = find_sites(graph, refuse, note=log.debug)
-        return replace_sites(graph, sites, self.options, decomposed=True)
+        return replace_sites(graph, sites, self.options, decomposed=True) + replace_norms(graph, self.options)
 
     def uuid(self) -> bytes | None:
         chained = tuple(p.uuid() if isinstance(p, CustomGraphPass) else None for p in self.chained)

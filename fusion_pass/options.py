@@ -1,6 +1,9 @@
 """Options of the h3_fused backend and pass.
 
 ``dtype_policy``: ``"auto"`` (default), ``"bf16"`` or ``"fp32"`` (see ``h3_fused.kernels.policy``).
+``eager_norms``: under ``bf16``, compute every RMSNorm outside the sites with eager's own kernels
+(``h3_fused::eager_rms_norm``), so that its sum of squares adds in eager's order (default True; False leaves such
+norms to Inductor, which fuses them with their neighbours in its own order).
 Every other key is an Inductor config option, passed through unchanged; any other key is refused where the
 options are read, with the nearest known key. Under the ``bf16`` policy the
 backend also turns on Inductor's ``emulate_precision_casts`` (eager rounding for the parts of the
@@ -15,16 +18,19 @@ from dataclasses import dataclass
 import torch._inductor.config as inductor_config
 from h3_fused.kernels.policy import POLICIES
 
-OWN_KEYS = ("dtype_policy",)
+OWN_KEYS = ("dtype_policy", "eager_norms")
 
 
 @dataclass(frozen=True)
 class FusionOptions:
     dtype_policy: str = "auto"
+    eager_norms: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.dtype_policy, str) or self.dtype_policy not in POLICIES:
             raise ValueError(f"dtype_policy must be one of {POLICIES}, got {self.dtype_policy!r}")
+        if not isinstance(self.eager_norms, bool):
+            raise ValueError(f"eager_norms must be True or False, got {self.eager_norms!r}")
 
     @classmethod
     def split(cls, options: dict | None) -> tuple[FusionOptions, dict]:

@@ -1,11 +1,11 @@
 """Replacing the sites a search found, under the pass's options: counted, logged, each output renamed for the
-sites that read it."""
+sites that read it; then, under the ``bf16`` policy, the RMSNorms outside the sites by eager's own kernels."""
 
 from __future__ import annotations
 
 from h3_fused.kernels.policy import resolve_policy
-from h3_fused.patterns import NoMatch, Site, replace_site
-from h3_fused.patterns.graph_view import device_of
+from h3_fused.patterns import NoMatch, Site, find_norms, replace_norm, replace_site
+from h3_fused.patterns.graph_view import device_of, source_of
 from torch.fx import Graph
 
 from .logs import count, log, refuse
@@ -30,3 +30,20 @@ def replace_sites(graph: Graph, sites: list[Site], options: FusionOptions, decom
         log.debug("h3_fused: fused site %s at %s as h3_fused::%s (policy %s)", site.kind.letter,
                   ", ".join(map(str, site.outputs)), site.kind.value, policy)
     return fused
+
+
+def replace_norms(graph: Graph, options: FusionOptions) -> int:
+    """Put ``h3_fused::eager_rms_norm`` where ``graph`` has an RMSNorm outside its sites, on tensors whose policy
+    is ``bf16`` (with ``options.eager_norms``); the number replaced."""
+    if not options.eager_norms:
+        return 0
+    kept = 0
+    for found in find_norms(graph, lambda node, why: refuse(node, why, "an RMSNorm kept as eager computes it")):
+        if resolve_policy(options.dtype_policy, device_of(found.norm.x)) != "bf16":
+            continue
+        name, where = found.output.name, source_of(found.output, " at ")
+        replace_norm(graph, found)
+        kept += 1
+        count("eager_rms_norm")
+        log.debug("h3_fused: the RMSNorm %s%s computed by eager's kernels (h3_fused::eager_rms_norm)", name, where)
+    return kept

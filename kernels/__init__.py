@@ -3,13 +3,15 @@
 ``norm_modulate`` (site A), ``gate_norm_modulate`` (site B) and ``gate_residual`` (site C) are
 registered as ``torch.ops.h3_fused.*`` with their backward (``backward.py``), and these functions call them
 (in eager, their bodies directly: ``direct_call.py``); ``contract.py`` states where they round, ``policy.py``
-the policies.
+the policies. ``eager_rms_norm`` (``torch.ops.h3_fused.eager_rms_norm``) is an RMSNorm computed by eager's own
+kernels, for the norms outside the sites (``eager_norm.py``).
 """
 
 from .backward import modulation_backward
 from .contract import Rounding, rounding_for
+from .eager_norm import eager_rms_norm
 from .ops import gate_norm_modulate, gate_residual, norm_modulate
 from .policy import POLICIES, resolve_policy
 
-__all__ = ["POLICIES", "Rounding", "gate_norm_modulate", "gate_residual", "modulation_backward", "norm_modulate",
+__all__ = ["POLICIES", "Rounding", "eager_rms_norm", "gate_norm_modulate", "gate_residual", "modulation_backward", "norm_modulate",
            "resolve_policy", "rounding_for"]

@@ -61,10 +61,12 @@ class BackwardConfig:
     early_streams: bool = False
 
 
-def backward_config(hidden: int, rows, device: torch.device, has_norm: bool = True) -> BackwardConfig:
+def backward_config(hidden: int, rows, device: torch.device, has_norm: bool = True,
+                    has_gate: bool = True) -> BackwardConfig:
     """Rows in chunks of at most ``BACKWARD_MAX_CHUNK`` columns, 4 per thread; ``PROGRAMS_PER_SM`` programs per SM,
     each with at least ``MIN_ROWS_PER_PROGRAM`` rows; each row's streamed inputs prefetched during the
-    previous row's work (docs/DESIGN.md, "The backward"). ``rows`` may be symbolic."""
+    previous row's work; ``early_streams`` at every site, ``hoist_tables`` at sites A and C, not B, whose
+    registers it spills (docs/DESIGN.md, "The backward"). ``rows`` may be symbolic."""
     chunk = min(1 << (int(hidden) - 1).bit_length(), BACKWARD_MAX_CHUNK)
     num_warps = max(1, min(16, chunk // 128))
     if device.type == "cuda":
@@ -73,7 +75,8 @@ def backward_config(hidden: int, rows, device: torch.device, has_norm: bool = Tr
         target = INTERPRETED_PROGRAMS
     rows_per_program = torch.sym_max(MIN_ROWS_PER_PROGRAM, ceil_div(rows, target)) if device.type == "cuda" else \
         ceil_div(rows, target)
-    return BackwardConfig(chunk, num_warps, rows_per_program, ceil_div(rows, rows_per_program))
+    return BackwardConfig(chunk, num_warps, rows_per_program, ceil_div(rows, rows_per_program),
+                          hoist_tables=not (has_norm and has_gate), early_streams=True)
 
 
 def _empty_like_rows(a: ModulationArgs):
@@ -89,7 +92,7 @@ def launch_backward(a: ModulationArgs, u: torch.Tensor | None, dy: torch.Tensor 
     has_gate, has_norm = a.gate is not None, a.scale is not None
     need_w = needs.weight and a.weight is not None
     want = dict(shift=needs.shift and has_norm, scale=needs.scale and has_norm, gate=needs.gate and has_gate)
-    config = config or backward_config(a.hidden, a.rows, a.device, has_norm)
+    config = config or backward_config(a.hidden, a.rows, a.device, has_norm, has_gate)
     grads = {}
     if needs.lead:
         grads["lead"] = _empty_like_rows(a)

@@ -82,17 +82,19 @@ def replace_site(graph: Graph, site: Site, policy: str, decomposed: bool = True)
     for old, new in zip(site.outputs, new_outputs):
         new.meta.setdefault("val", old.meta.get("val"))
         old.replace_all_uses_with(new)
-    frontier: list[Node] = []
-    for node in sorted(interior, key=pos.__getitem__, reverse=True):
-        if not node.users:
-            frontier += node.all_input_nodes
-            graph.erase_node(node)
-    _erase_dead(graph, frontier)
+    erase_unused(graph, interior, pos)
     return list(new_outputs)
 
 
-def _erase_dead(graph: Graph, frontier: list[Node]) -> None:
-    """Erase gathers and index casts the site used once nothing else uses them."""
+def erase_unused(graph: Graph, nodes, pos: dict[Node, int] | None = None) -> None:
+    """Erase the ``nodes`` (a replaced site's or norm's) that nothing uses any more, last first, then whatever
+    they used that nothing else uses (gathers, index casts, weight casts)."""
+    pos = pos or _position(graph)
+    frontier: list[Node] = []
+    for node in sorted(set(nodes), key=pos.__getitem__, reverse=True):
+        if not node.users:
+            frontier += node.all_input_nodes
+            graph.erase_node(node)
     while frontier:
         node = frontier.pop()
         if node.op == "call_function" and not node.users and not node.is_impure() and not node._erased:
@@ -100,4 +102,4 @@ def _erase_dead(graph: Graph, frontier: list[Node]) -> None:
             graph.erase_node(node)
 
 
-__all__ = ["SITE_META", "NoMatch", "replace_site", "replacement_fn"]
+__all__ = ["SITE_META", "NoMatch", "erase_unused", "replace_site", "replacement_fn"]

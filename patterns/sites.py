@@ -279,7 +279,7 @@ def check_site(outputs: list[Node], gathers: list[Gather], act_node: Node, inter
     for g in gathers:
         expect(device_of(g.table) == device and device_of(index) == device, "its tensors are on different devices")
     inside = set(interior) | set(outputs)
-    _check_interior(interior, inside)
+    check_interior(interior, inside)
     return broadcast
 
 
@@ -291,7 +291,7 @@ def broadcasts_to(index_shape, rows) -> bool:
     return all(same_size(i, r) or same_size(i, 1) for i, r in zip(index_shape, rows[len(rows) - len(index_shape):]))
 
 
-def _check_interior(interior: list[Node], inside: set[Node]) -> None:
+def check_interior(interior: list[Node], inside: set[Node]) -> None:
     for node in interior:
         outside = [u for u in node.users if u not in inside]
         if outside:
@@ -405,7 +405,7 @@ def merge_gate_and_norm(c: Site, a: Site) -> Site:
                   weight=a.inputs["weight"], shift=a.inputs["shift"], scale=a.inputs["scale"],
                   index=c.inputs["index"])
     interior = c.interior + a.interior
-    _check_interior(interior, set(interior) | {u, a.outputs[0]})
+    check_interior(interior, set(interior) | {u, a.outputs[0]})
     return Site(SiteKind.GATE_NORM_MODULATE, [u, a.outputs[0]], inputs, a.eps, a.norm_rounds_before_weight, a.upcast_tables,
                 interior, c.index_broadcast)
 

@@ -1,3 +1,4 @@
+import logging
 import os
 import warnings
 
@@ -51,3 +52,18 @@ def fresh_compile():
     counters.clear()
     with torch._inductor.config.patch(fx_graph_cache=False):
         yield
+
+
+@pytest.fixture
+def h3_fused_log():
+    """The records of the ``h3_fused`` logger at DEBUG while the test runs."""
+    records = []
+    handler = logging.Handler(logging.DEBUG)
+    handler.emit = records.append
+    logger = logging.getLogger("h3_fused")
+    old_level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    yield records
+    logger.removeHandler(handler)
+    logger.setLevel(old_level)

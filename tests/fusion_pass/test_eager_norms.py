@@ -1,0 +1,99 @@
+"""Under ``bf16`` the pass puts ``h3_fused::eager_rms_norm`` (eager's own kernels) where a graph has an RMSNorm
+outside the sites: per-head q/k norms, plain norms, the native spelling; never inside a site, never under
+``fp32`` or with ``eager_norms=False``, never where the norm's intermediate values are used elsewhere."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import bf16, fused_sites_in, sites_fused
+from torch import nn
+from torch._dynamo.utils import counters
+
+pytestmark = pytest.mark.usefixtures("fresh_compile")
+H, HEADS, D = 64, 4, 16
+
+
+class Block(nn.Module):
+    """Site A before an attention-like projection with per-head q/k norms (``nn.RMSNorm`` over ``D`` of
+    ``[B, T, heads, D]``), then a plain ``nn.RMSNorm`` and a native two-rounding RMSNorm outside any site."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm1 = nn.RMSNorm(H, eps=1e-6, dtype=bf16)
+        self.qk = nn.Linear(H, 2 * H, bias=False, dtype=bf16)
+        self.q_norm, self.k_norm = (nn.RMSNorm(D, eps=1e-5, dtype=bf16) for _ in range(2))
+        self.norm_out = nn.RMSNorm(H, eps=1e-6, dtype=bf16)
+
+    def forward(self, x, shift, scale, index):
+        y = self.norm1(x) * (1 + scale[index]) + shift[index]
+        q, k = self.qk(y).unflatten(-1, (2, HEADS, D)).unbind(-3)
+        h = (self.q_norm(q) * self.k_norm(k)).flatten(-2) + x
+        h32 = h.float()
+        native = (h32 * torch.rsqrt(h32.pow(2).mean(-1, keepdim=True) + 1e-6)).to(bf16) * self.norm_out.weight
+        return self.norm_out(h) + native
+
+
+def block_inputs(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    block = Block()
+    with torch.no_grad():
+        for p in block.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * (0.1 if p.ndim == 1 else 0.2) + (p.ndim == 1))
+    x = torch.randn(2, 50, H, generator=g).to(bf16)
+    tables = torch.randn(3, 2 * H, generator=g).to(bf16).chunk(2, -1)
+    return block, (x, *tables, torch.randint(0, 3, (2, 50), generator=g))
+
+
+def compile_and_run(options, extra_pass=None):
+    block, args = block_inputs()
+    if extra_pass is not None:
+        options = dict(options, post_grad_custom_post_pass=extra_pass)
+    with torch.no_grad():
+        return block(*args), torch.compile(block, backend="h3_fused", options=options)(*args)
+
+
+def eager_norm_calls(graph) -> int:
+    return sum(n.target is torch.ops.h3_fused.eager_rms_norm.default for n in graph.nodes)
+
+
+def test_bf16_computes_every_norm_outside_the_sites_with_eagers_kernels():
+    seen = []
+    expected, got = compile_and_run({"dtype_policy": "bf16"},
+                                    lambda graph: seen.append((fused_sites_in(graph), eager_norm_calls(graph))))
+    assert seen == [(1, 4)], "one site A; the q and k norms, the plain norm and the native one"
+    assert counters["h3_fused"]["eager_rms_norm"] == 4 and sites_fused() == 1
+    assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("options", [{"dtype_policy": "fp32"}, {"dtype_policy": "bf16", "eager_norms": False}],
+                         ids=["fp32", "eager_norms_off"])
+def test_norms_stay_inductors_under_fp32_or_when_turned_off(options):
+    seen = []
+    compile_and_run(options, lambda graph: seen.append((fused_sites_in(graph), eager_norm_calls(graph))))
+    assert seen == [(1, 0)] and counters["h3_fused"]["eager_rms_norm"] == 0
+
+
+def test_a_norm_whose_inverse_rms_is_used_elsewhere_is_left_and_logged(h3_fused_log):
+    """The inverse RMS also returned: replacing the norm would leave it computed twice, in two orders."""
+
+    def fn(x, w):
+        x32 = x.float()
+        r = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return (x32 * r).to(bf16) * w, r
+
+    x, w = torch.randn(8, H).to(bf16), torch.randn(H).to(bf16)
+    with torch.no_grad():
+        got = torch.compile(fn, backend="h3_fused", options={"dtype_policy": "bf16"})(x, w)
+    assert counters["h3_fused"]["eager_rms_norm"] == 0 and counters["h3_fused"]["refused"] == 1
+    assert any("an RMSNorm kept as eager computes it" in r.getMessage() and "also used elsewhere" in r.getMessage()
+               for r in h3_fused_log)
+    for g, e in zip(got, fn(x, w)):  # Inductor's norm: its own order
+        torch.testing.assert_close(g, e)
+
+
+def test_a_layer_norm_is_not_an_rms_norm():
+    seen = []
+    with torch._inductor.config.patch(post_grad_custom_post_pass=lambda graph: seen.append(eager_norm_calls(graph))):
+        torch.compile(lambda x: F.layer_norm(x, (H,)), backend="h3_fused",
+                      options={"dtype_policy": "bf16"})(torch.randn(8, H).to(bf16))
+    assert seen == [0]
