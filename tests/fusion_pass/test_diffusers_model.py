@@ -77,9 +77,12 @@ def test_diffusers_compile_repeated_blocks_fuses_three_sites_per_block_graph(mod
     regional.compile_repeated_blocks(backend="h3_fused", options={
         "dtype_policy": policy, "post_grad_custom_post_pass": lambda graph: per_graph.append(fused_sites_in(graph))})
     got = outputs(regional, inputs)
-    # one graph for the transformer blocks, one for the token refiner's blocks (no modulation: untouched)
+    # one graph for the transformer blocks, one for the token refiner's blocks (no modulation: no site)
     assert sorted(per_graph) == [0, 3]
     assert counters["h3_fused"]["refused"] == 0
+    # under bf16 the norms outside the sites are eager's: q and k in the block graph; norm1, norm2, q and k in the
+    # refiner's
+    assert counters["h3_fused"]["eager_rms_norm"] == (6 if policy == "bf16" else 0)
     # each block graph keeps eager's bf16 matmuls, attention and block outputs, the bulk of its distance to the
     # fp32 model: the sites' fp32 arithmetic moves it by noise either way (within 2% over seeds), where the
     # whole compile, fp32 between the blocks too, comes a third closer
