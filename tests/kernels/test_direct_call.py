@@ -229,3 +229,34 @@ def test_a_row_strided_view_launches_from_its_plan_in_place(planned):
     expected = gate_norm_modulate.dispatched(x, t["gate"], t["branch"], t["weight"], t["shift"], t["scale"],
                                              t["index"], eps=1e-5, policy="bf16")
     assert all(torch.equal(g, e) for g, e in zip(got, expected))
+
+
+def test_a_compiled_launch_passes_every_kernel_argument_in_the_kernels_order():
+    """``CompiledLaunch`` calls the compiled kernel's launcher as Inductor's launchers do: grid, stream, function,
+    metadata, no launch metadata or hooks, then every argument of ``modulation_kernel`` in its signature's order
+    (the constexprs included); a kernel without such a launcher is not bound."""
+    from types import SimpleNamespace
+
+    from h3_fused.kernels.arguments import check_args
+    from h3_fused.kernels.forward_kernel import modulation_kernel
+    from h3_fused.kernels.launch import no_launch_hooks, plan_launch
+
+    t = make()
+    a = check_args(**{k: t[k] for k in ("x", "weight", "shift", "scale", "index")}, residual=None, branch=None,
+                   gate=None, eps=1e-5, policy="bf16", norm_rounds_before_weight=False, upcast_tables=False,
+                   has_norm=True)
+    launch = plan_launch(a)
+    calls = []
+    compiled = SimpleNamespace(run=lambda *args: calls.append(args), function="f", packed_metadata="m",
+                               metadata=None)
+    tensors = [getattr(a, slot) for slot in launch.slots]
+    y = torch.empty_like(a.x)
+    launch.bind(compiled)(tensors, None, y, stream=7)
+    (args,) = calls
+    assert args[:9] == (launch.grid[0], 1, 1, 7, "f", "m", None, None, None)
+    by_name = dict(zip(modulation_kernel.arg_names, args[9:], strict=True))
+    assert [by_name[name] for name in modulation_kernel.arg_names[:8]] == tensors
+    assert by_name["u_ptr"] is y and by_name["y_ptr"] is y
+    assert all(by_name[name] == value for name, value in launch.constexprs.items())
+    assert launch.bind(SimpleNamespace()) is None
+    assert no_launch_hooks()
