@@ -11,8 +11,9 @@ equals eager's (``outputs_equal``) and the share of output elements that differ 
 outputs, video and audio, together). Then a trajectory row per variant: ``--steps`` Euler steps of the
 stand-in (regional, the first row count, the layout of its first step throughout), the share of each
 step's latent that differs from eager's.
-Then, for each client at the first row count, where its first block's compiled code departs from eager
-(``--locate-depth`` levels; 0: not at all): the block and, inside any module whose compiled outputs differ
+Then, for each client at the first row count, where the model's compiled code departs from eager
+(``--locate-depth`` levels; 0: not at all): the whole model and its first block of each kind, each compiled
+alone, and, inside any module whose compiled outputs differ
 from eager's, each of its submodules, compiled alone and called on the inputs that module received in the
 eager call, a row each (``kind`` ``module``, ``module`` its name in the model). The deepest differing modules
 whose submodules all match are where the divergence is.
@@ -152,8 +153,8 @@ def locate_rows(client: str, tokens: int, depth: int) -> list[dict]:
             torch._dynamo.reset()
             return torch.compile(module, backend=backend, options=options)
 
-        with torch.no_grad():
-            for name, block in first_blocks(model).items():
+        with torch.no_grad():  # the model itself and its top-level modules (whole-model compile), then its blocks
+            for name, block in {"model": model, **first_blocks(model)}.items():
                 calls = first_calls(model, call, block)
                 for row in locate(block, name, calls, compile_module, depth):
                     rows.append(dict(client=client, kind="module", hidden=hidden, tokens=tokens, blocks=BLOCKS,

@@ -31,7 +31,8 @@ def test_kernel_is_inlined_in_inductor_output_code():
         _, codes = run_and_get_code(compiled, x, tables, layout.index, layout.positions, layout.cu_seqlens)
     code = "\n".join(codes)
     assert "modulation_kernel" in code
-    assert "torch.ops.h3_fused" not in code, "the fused op must not be a dispatcher call"
+    calls = {line.split("torch.ops.h3_fused.")[1].split("(")[0] for line in code.splitlines() if "torch.ops.h3_fused." in line}
+    assert calls <= {"eager_rms_norm.default"}, f"the fused ops must not be dispatcher calls: {calls}"
 
 
 @pytest.mark.parametrize("policy", ["bf16", "fp32"])
