@@ -38,9 +38,8 @@ def replace_norms(graph: Graph, options: FusionOptions) -> int:
     if not options.eager_norms:
         return 0
     kept = 0
-    for found in find_norms(graph, lambda node, why: refuse(node, why, "an RMSNorm kept as eager computes it")):
-        if resolve_policy(options.dtype_policy, device_of(found.norm.x)) != "bf16":
-            continue
+    for found in find_norms(graph, lambda node, why: refuse(node, why, "an RMSNorm kept as eager computes it"),
+                            wanted=lambda node: resolve_policy(options.dtype_policy, device_of(node)) == "bf16"):
         name, where = found.output.name, source_of(found.output, " at ")
         replace_norm(graph, found)
         kept += 1

@@ -13,5 +13,5 @@ from .eager_norm import eager_rms_norm
 from .ops import gate_norm_modulate, gate_residual, norm_modulate
 from .policy import POLICIES, resolve_policy
 
-__all__ = ["POLICIES", "Rounding", "eager_rms_norm", "gate_norm_modulate", "gate_residual", "modulation_backward", "norm_modulate",
-           "resolve_policy", "rounding_for"]
+__all__ = ["POLICIES", "Rounding", "eager_rms_norm", "gate_norm_modulate", "gate_residual", "modulation_backward",
+           "norm_modulate", "resolve_policy", "rounding_for"]

@@ -2,7 +2,7 @@
 internals here)."""
 
 from .graph_view import NoMatch
-from .norms import NORM_META, StandaloneNorm, find_norms, replace_norm
+from .norms import find_norms, replace_norm
 from .replacements import replace_site
 from .search import find_sites
 from .sites import (
@@ -16,6 +16,6 @@ from .sites import (
 )
 
 __all__ = [
-    "NORM_META", "NoMatch", "Site", "SiteKind", "StandaloneNorm", "find_norms", "find_sites", "gate_residual_site", "is_affine_candidate", "is_gated_candidate",
-    "merge_gate_and_norm", "norm_modulate_site", "replace_norm", "replace_site",
+    "NoMatch", "Site", "SiteKind", "find_norms", "find_sites", "gate_residual_site", "is_affine_candidate",
+    "is_gated_candidate", "merge_gate_and_norm", "norm_modulate_site", "replace_norm", "replace_site",
 ]

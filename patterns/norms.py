@@ -17,11 +17,9 @@ import torch
 from torch._guards import detect_fake_mode
 from torch.fx import Graph, Node
 
-from .graph_view import CONVERT, MUL, NoMatch, dtype_of, expect, is_op, shape_of
+from .graph_view import CONVERT, MUL, NoMatch, dtype_of, is_op, shape_of
 from .replacements import INHERITED_META, SITE_META, erase_unused
 from .sites import ACTIVATION_DTYPES, Norm, check_interior, match_norm
-
-NORM_META = "h3_fused_eager_norm"  # on each replacement node: the name of the norm output it took the place of
 
 
 @dataclass
@@ -38,20 +36,22 @@ def _is_candidate(node: Node) -> bool:
             and dtype_of(node) in ACTIVATION_DTYPES and bool(shape_of(node)))
 
 
-def find_norms(graph: Graph, refuse=lambda node, why: None) -> list[StandaloneNorm]:
-    """The RMSNorms of ``graph`` outside its sites, in graph order. ``refuse(node, why)`` hears of each norm that
-    cannot be replaced (its intermediate values used elsewhere), not again of the norms inside it."""
+def find_norms(graph: Graph, refuse=lambda node, why: None, wanted=lambda node: True) -> list[StandaloneNorm]:
+    """The RMSNorms of ``graph`` outside its sites whose output ``wanted`` takes, in graph order. ``refuse(node,
+    why)`` hears of each such norm that cannot be replaced (its intermediate values used elsewhere), not again of
+    the norms inside it."""
     found, taken, refused = [], set(), set()
     for node in reversed(graph.nodes):
-        if node in taken or not _is_candidate(node):
+        if node in taken or not _is_candidate(node) or not wanted(node):
             continue
         try:
             norm = match_norm(node, dtype_of(node), shape_of(node)[-1])
         except NoMatch:
             continue  # not a norm
         inside = set(norm.nodes)
+        if any(SITE_META in n.meta for n in inside):
+            continue  # part of a fused site's replacement
         try:
-            expect(not any(SITE_META in n.meta for n in inside), "the norm is part of a fused site")
             check_interior([n for n in norm.nodes if n is not node], inside)
         except NoMatch as why:
             if node not in refused:  # a norm inside a refused one is tried (its output may be what is shared), once told
@@ -74,7 +74,7 @@ def replace_norm(graph: Graph, found: StandaloneNorm) -> Node:
     with graph.inserting_before(output):
         new = graph.call_function(op, args)
     new.meta.update({k: output.meta[k] for k in INHERITED_META if k in output.meta})
-    new.meta.update(val=value, **{NORM_META: output.name})
+    new.meta["val"] = value
     output.replace_all_uses_with(new)
     erase_unused(graph, norm.nodes)
     return new
