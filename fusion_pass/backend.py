@@ -34,14 +34,29 @@ def graph_device(example_inputs) -> torch.device:
     return next((d for d in devices if d.type != "cpu"), torch.device("cpu"))
 
 
+# Inductor's own settings for eager's numerics in the code it generates, where this torch has them:
+# ``emulate_precision_casts`` keeps eager's intermediate roundings; ``eager_numerics.division_rounding`` divides
+# fp32 by IEEE division (``div_rn``) as eager's kernels do, where Triton's ``/`` is approximate;
+# ``eager_numerics.disable_ftz`` keeps denormals, which Triton flushes to zero and eager's kernels do not.
+EAGER_NUMERICS = ("emulate_precision_casts", "eager_numerics.division_rounding", "eager_numerics.disable_ftz")
+
+
+def eager_numerics_patches() -> dict:
+    """``{setting: True}`` for each of ``EAGER_NUMERICS`` this torch's Inductor config has (torch 2.11 has all
+    three; ``eager_numerics`` is newer than ``emulate_precision_casts``)."""
+    known = inductor_config.get_config_copy().keys()
+    return {name: True for name in EAGER_NUMERICS if name in known}
+
+
 def make_config_patches(options: dict | None = None, mode: str | None = None,
                         device: torch.device = torch.device("cpu"), fuse_post_grad: bool = True) -> dict:
-    """Inductor config patches for one compile: mode options, the caller's options, and our pass
+    """Inductor config patches for one compile: mode options, under the ``bf16`` policy Inductor's settings for
+    eager's numerics (``eager_numerics_patches``), the caller's options (which override both), and our pass
     (``fuse_post_grad=False``: it only chains the user's passes, the sites having been fused before autograd)."""
     fusion, inductor_options = FusionOptions.split(options)
     patches = dict(list_mode_options(mode)) if mode else {}
     if resolve_policy(fusion.dtype_policy, device) == "bf16":
-        patches["emulate_precision_casts"] = True
+        patches.update(eager_numerics_patches())
     chained = _user_post_pass_setting(inductor_options)
     patches.update(inductor_options)
     patches["post_grad_custom_post_pass"] = H3FusionPass(fusion, chained, fuse=fuse_post_grad)

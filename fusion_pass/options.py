@@ -6,8 +6,9 @@
 norms to Inductor, which fuses them with their neighbours in its own order).
 Every other key is an Inductor config option, passed through unchanged; any other key is refused where the
 options are read, with the nearest known key. Under the ``bf16`` policy the
-backend also turns on Inductor's ``emulate_precision_casts`` (eager rounding for the parts of the
-graph that are not modulation sites) unless the caller set it.
+backend also turns on Inductor's settings for eager's numerics in the parts of the graph that are not
+modulation sites (``emulate_precision_casts``, ``eager_numerics.division_rounding`` and
+``eager_numerics.disable_ftz``: ``backend.EAGER_NUMERICS``) unless the caller set them.
 """
 
 from __future__ import annotations

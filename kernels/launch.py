@@ -28,7 +28,9 @@ MIN_WARPS = 4  # the fewest warps a program runs on
 SUM_ORDERS = {None: 0, "fused_rms_norm": 1, "mean": 2}  # contract.Rounding.norm_sum_order -> NORM_SUM_ORDER
 MEAN_ORDER_MIN_ROWS = 16  # from this many rows torch's mean gives a row one warp (the order reproduced)
 MEAN_ORDER_MIN_H = 128  # the narrowest row whose mean's order was measured (its input read in vectors)
-MEAN_ORDER_MAX_H = 8192  # a warp holds the row: a bound set on its registers, not measured
+# torch's reduction gives a row one warp while each lane sums fewer than 256 of its values (``div_up(H, 32) < 256``,
+# ``setReduceConfig`` in ATen's Reduce.cuh); a wider row it splits over 16 warps, an order not reproduced
+MEAN_ORDER_MAX_H = 8160
 WARM_ROWS_AHEAD = 1024  # each program warms L2 with the table rows of the row this many rows on
 WARM_TABLES_MAX_BYTES = 4 << 20  # tables larger than this are not warmed as the kernel starts
 

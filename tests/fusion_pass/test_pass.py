@@ -8,6 +8,7 @@ import h3_fused
 import pytest
 import torch
 from h3_fused import H3FusionPass
+from h3_fused.backend import EAGER_NUMERICS, eager_numerics_patches
 from h3_fused.graph_pass import INFERENCE_AWARE
 from helpers import bf16, fused_count, fused_sites_in, inputs, site_a
 from torch._dynamo.utils import counters
@@ -190,6 +191,17 @@ def test_fx_graph_and_aot_autograd_caches_hit_in_a_fresh_process_and_policy_chan
     assert run("fp32") == "hit 0 miss 1 aot_hit 0 fused 1", "a policy change misses"
 
 
+def test_the_bf16_policy_turns_on_inductors_eager_numerics_unless_the_caller_set_them():
+    """Under ``bf16`` eager's roundings, IEEE division and denormals in Inductor's own code (each setting this
+    torch has); under ``fp32`` none of them; a setting the caller passes wins."""
+    patches = eager_numerics_patches()
+    assert "emulate_precision_casts" in patches and set(patches) <= set(EAGER_NUMERICS)
+    assert all(h3_fused.make_config_patches({"dtype_policy": "bf16"})[name] is True for name in patches)
+    assert not set(patches) & set(h3_fused.make_config_patches({"dtype_policy": "fp32"}))
+    opted_out = h3_fused.make_config_patches({"dtype_policy": "bf16", **{name: False for name in patches}})
+    assert not any(opted_out[name] for name in patches)
+
+
 def test_an_inductor_setup_of_ones_own_gets_the_fusion_from_make_config_patches():
     """A serving engine's route: plain ``torch.compile`` with Inductor options from ``make_config_patches``, its
     own post-grad pass chained after ours, the policy applied."""
@@ -199,7 +211,7 @@ def test_an_inductor_setup_of_ones_own_gets_the_fusion_from_make_config_patches(
         seen.append(fused_sites_in(graph))
 
     options = h3_fused.make_config_patches({"dtype_policy": "bf16", "post_grad_custom_post_pass": engine_pass})
-    assert options["emulate_precision_casts"] is True
+    assert all(options[name] is True for name in eager_numerics_patches())
     t = inputs()
     got = torch.compile(site_a, options=options)(**t)
     assert counters["h3_fused"]["norm_modulate"] == 1 and seen == [1]

@@ -64,12 +64,13 @@ def test_eager_sum_orders_take_chunks_of_one_vector_per_eager_thread(hidden, sit
 @pytest.mark.parametrize("policy, native, hidden, rows, order", [
     ("bf16", False, 5376, 3, 1), ("bf16", False, 128, None, 1), ("bf16", False, 101, 4096, 0),
     ("bf16", True, 5376, 4096, 2), ("bf16", True, 5376, None, 2), ("bf16", True, 5376, 15, 0),
-    ("bf16", True, 64, 4096, 0), ("bf16", True, 16384, 4096, 0), ("fp32", False, 5376, 4096, 0),
+    ("bf16", True, 64, 4096, 0), ("bf16", True, 8160, 4096, 2), ("bf16", True, 8192, 4096, 0),
+    ("bf16", True, 16384, 4096, 0), ("fp32", False, 5376, 4096, 0),
     ("fp32", True, 5376, 4096, 0)])
 def test_the_norm_sums_in_the_order_of_the_eager_kernel_the_spelling_runs(policy, native, hidden, rows, order):
     """``NORM_SUM_ORDER`` under ``bf16``: 1 (torch's fused RMSNorm) for ``nn.RMSNorm`` / ``F.rms_norm`` and 2
     (torch's mean) for the native RMSNorm, where eager takes the path reproduced (H a multiple of 4; for the
-    mean 16 rows or more, or a symbolic count, and H from 128 to 8,192); else 0, the kernel's own; never under
+    mean 16 rows or more, or a symbolic count, and H from 128 to 8,160); else 0, the kernel's own; never under
     ``fp32`` nor for site C (no norm)."""
     from h3_fused.kernels.arguments import check_args
     from h3_fused.kernels.launch import LaunchConfig, norm_sum_order, specialisation

@@ -1,5 +1,6 @@
 """GPU suite for the fused ops (``pytest -m gpu`` on the H200): real sizes, bit-exactness, bad indices."""
 
+import itertools
 import os
 import subprocess
 import sys
@@ -46,25 +47,37 @@ def test_bf16_policy_matches_eager_at_other_widths(site, hidden, tokens):
     _assert_bf16_policy_matches_eager(site, fused_site(site, "bf16")(**inputs), eager_site(site)(**inputs))
 
 
-@pytest.mark.parametrize("tokens", [16, 3072, 15808])
-@pytest.mark.parametrize("hidden", [128, 200, 1024, 5376, 8192])
+@pytest.mark.parametrize("hidden, tokens", [*itertools.product([128, 200, 1024, 5376], [16, 3072, 15808]),
+                                           (8160, 3072)])  # the widest row a warp sums: one build, slow to compile
 def test_bf16_policy_matches_the_native_rms_norm_from_16_rows(hidden, tokens):
     """The native spelling's mean sums in the order of torch's generic reduction (one warp a row from 16 rows
-    on): site B's ``y`` bit for bit."""
+    on, up to H = 8,160): site B's ``y`` bit for bit."""
+    got_u, got_y, u, ref_y = _native_site_b(tokens, hidden)
+    assert torch.equal(got_u, u) and torch.equal(got_y, ref_y), f"y differs on {_diff(got_y, ref_y):.2e}"
+
+
+def test_bf16_policy_native_rms_norm_of_rows_eager_splits_over_warps():
+    """From H = 8,161 on torch's reduction splits a row's mean over 16 warps, an order the kernel does not
+    reproduce: the residual bit for bit, ``y`` on all but a few elements."""
+    got_u, got_y, u, ref_y = _native_site_b(3072, 8192)
+    assert torch.equal(got_u, u) and _diff(got_y, ref_y) <= 1e-4
+
+
+def _native_site_b(tokens, hidden):
+    """Site B under ``bf16`` with the native RMSNorm, fused and eager: ``(u, y, eager u, eager y)``."""
     from h3_fused.kernels import gate_norm_modulate
 
     inputs = make_inputs("B", tokens, hidden, seed=hidden)
     u = eager_gate(inputs["residual"], inputs["gate"], inputs["branch"], inputs["index"], upcast=False)
     ref_y = eager_modulate(eager_norm(u, inputs["weight"], inputs["eps"], native=True), inputs["shift"],
                            inputs["scale"], inputs["index"], upcast=False)
-    got_u, got_y = gate_norm_modulate(**inputs, policy="bf16", norm_rounds_before_weight=True)
-    assert torch.equal(got_u, u) and torch.equal(got_y, ref_y), f"y differs on {_diff(got_y, ref_y):.2e}"
+    return (*gate_norm_modulate(**inputs, policy="bf16", norm_rounds_before_weight=True), u, ref_y)
 
 
 @pytest.mark.parametrize("hidden", [1, 101, 4097])
 def test_bf16_policy_at_widths_eager_reduces_otherwise(hidden):
     """At ``H`` not a multiple of 4 eager's RMSNorm takes another kernel, whose order the fused kernel does not
-    reproduce: the residual bit for bit, ``y`` within the last place on a few elements."""
+    reproduce: the residual bit for bit, ``y`` on all but a few elements."""
     inputs = make_inputs("B", 257, hidden)
     ref_u, ref_y = eager_site("B")(**inputs)
     u, y = fused_site("B", "bf16")(**inputs)
