@@ -1,5 +1,5 @@
 """Replacing the sites a search found, under the pass's options: counted, logged, each output renamed for the
-sites that read it; then, under the ``bf16`` policy, the RMSNorms outside the sites by eager's own kernels."""
+sites that read it; then, under the ``bf16`` policy, the RMSNorms outside the sites in eager's order."""
 
 from __future__ import annotations
 
@@ -44,5 +44,5 @@ def replace_norms(graph: Graph, options: FusionOptions) -> int:
         replace_norm(graph, found)
         kept += 1
         count("eager_rms_norm")
-        log.debug("h3_fused: the RMSNorm %s%s computed by eager's kernels (h3_fused::eager_rms_norm)", name, where)
+        log.debug("h3_fused: the RMSNorm %s%s computed in eager's order (h3_fused::eager_rms_norm)", name, where)
     return kept

@@ -3,8 +3,9 @@
 ``norm_modulate`` (site A), ``gate_norm_modulate`` (site B) and ``gate_residual`` (site C) are
 registered as ``torch.ops.h3_fused.*`` with their backward (``backward.py``), and these functions call them
 (in eager, their bodies directly: ``direct_call.py``); ``contract.py`` states where they round, ``policy.py``
-the policies. ``eager_rms_norm`` (``torch.ops.h3_fused.eager_rms_norm``) is an RMSNorm computed by eager's own
-kernels, for the norms outside the sites (``eager_norm.py``).
+the policies. ``eager_rms_norm`` (``torch.ops.h3_fused.eager_rms_norm``) is an RMSNorm with eager's bits (the forward
+kernel as a plain norm where it reproduces eager's order, else eager's own ops), for the norms outside the sites
+(``eager_norm.py``).
 """
 
 from .backward import modulation_backward

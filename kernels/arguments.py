@@ -2,7 +2,8 @@
 
 Every op reads activations ``[..., H]`` as ``R`` rows of ``H`` (row-strided views are read in place;
 other layouts are copied), tables ``[K, H]`` with any row stride, and an int32/int64 ``index`` shaped
-like the activations without the last dim (read as ``R`` contiguous entries: other layouts are copied). Bad input raises ``ValueError``/``TypeError`` naming the
+like the activations without the last dim (read as ``R`` contiguous entries: other layouts are copied); a plain
+RMSNorm (``x`` and its weight, no tables) has no index. Bad input raises ``ValueError``/``TypeError`` naming the
 argument.
 """
 
@@ -65,7 +66,7 @@ class ModulationArgs:
     weight: torch.Tensor | None
     shift: torch.Tensor | None
     scale: torch.Tensor | None
-    index: torch.Tensor
+    index: torch.Tensor | None  # None for a plain RMSNorm
     out_shape: torch.Size
     dtype: torch.dtype
     device: torch.device
@@ -80,20 +81,32 @@ class ModulationArgs:
 
     @property
     def rows(self) -> int:
-        return self.index.numel()
+        return self.index.numel() if self.index is not None else self.x.shape[0]
 
     @property
     def hidden(self) -> int:
         return self.out_shape[-1]
 
     @property
+    def has_norm(self) -> bool:
+        """Site A or B, or a plain RMSNorm (no index)."""
+        return self.scale is not None or self.index is None
+
+    @property
+    def has_affine(self) -> bool:
+        return self.scale is not None
+
+    @property
     def num_table_rows(self) -> int:
-        return min(t.shape[0] for t in (self.gate, self.shift, self.scale) if t is not None)
+        """The rows every table has (0 for a plain RMSNorm, which has none)."""
+        return min((t.shape[0] for t in (self.gate, self.shift, self.scale) if t is not None), default=0)
 
 
 def check_args(*, x=None, residual=None, branch=None, gate=None, weight=None, shift=None, scale=None,
-               index, eps: float = 0.0, policy: str, norm_rounds_before_weight: bool = False,
+               index=None, eps: float = 0.0, policy: str, norm_rounds_before_weight: bool = False,
                upcast_tables: bool = False, has_norm: bool) -> ModulationArgs:
+    """The checked arguments of a site (``index`` with its tables), or of a plain RMSNorm of ``x`` (``has_norm``,
+    no tables, no index)."""
     check_policy(policy)
     lead = x if x is not None else residual
     lead_name = "x" if x is not None else "residual"
@@ -108,8 +121,10 @@ def check_args(*, x=None, residual=None, branch=None, gate=None, weight=None, sh
             raise ValueError(f"branch must have the shape of residual {tuple(shape)}, got {tuple(branch.shape)}")
         if branch.dtype != dtype:
             raise TypeError(f"branch must have the dtype of residual ({dtype}), got {branch.dtype}")
-    check_tensor("index", index, INDEX_DTYPES)
-    if index.shape != shape[:-1]:
+    plain_norm = has_norm and x is not None and gate is None and shift is None and scale is None
+    if not (plain_norm and index is None):
+        check_tensor("index", index, INDEX_DTYPES)
+    if index is not None and index.shape != shape[:-1]:
         raise ValueError(f"index must have the shape of the activations without the last dim "
                          f"{tuple(shape[:-1])}, got {tuple(index.shape)}")
     tables = {"gate": gate, "shift": shift, "scale": scale}
@@ -142,6 +157,6 @@ def check_args(*, x=None, residual=None, branch=None, gate=None, weight=None, sh
         residual=as_rows("residual", residual, hidden) if residual is not None else None,
         branch=as_rows("branch", branch, hidden) if branch is not None else None,
         gate=tables.get("gate"), weight=weight, shift=tables.get("shift"), scale=tables.get("scale"),
-        index=index.reshape(-1).contiguous(), out_shape=shape, dtype=dtype, device=device, eps=float(eps),
+        index=index.reshape(-1).contiguous() if index is not None else None, out_shape=shape, dtype=dtype, device=device, eps=float(eps),
         policy=resolved, rounding=rounding,
     )

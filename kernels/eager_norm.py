@@ -1,12 +1,20 @@
-"""``h3_fused::eager_rms_norm``: an RMSNorm computed by eager's own kernels, which Inductor calls as they are.
+"""``h3_fused::eager_rms_norm``: an RMSNorm with eager's bits, whose sum Inductor cannot reorder.
 
 Inductor compiles a norm's fp32 sum of squares in its own order, which on CUDA differs from the order of the
 kernel eager runs: the sum, and so the norm's output, differs from eager's in the last place of single elements
 (of the order of one in 10^5), and one such flip reaches every output of a model a few blocks later. Under the
 ``bf16`` policy the pass therefore puts this op where a graph has an RMSNorm that is not part of a modulation site
-(the attention's per-head q/k norms, a token refiner's norms): Inductor cannot look inside a custom op, so the
-norm is eager's, bit for bit, on every device and torch version, at the price of the fusion Inductor would have
-made of it with its neighbours (the normalized rows are written and read once more).
+(the attention's per-head q/k norms, a token refiner's norms). It computes the norm one of two ways, both eager's
+bits:
+
+- on CUDA, where the forward kernel reproduces the order of the eager kernel the spelling runs
+  (``launch.norm_sum_order``), the forward kernel as a plain RMSNorm (site A without tables): the op is a
+  ``triton_op``, so Inductor inlines the kernel into its code, one pass over the rows;
+- elsewhere (the CPU; a width or a weight dtype whose eager path is not reproduced) ``h3_fused::eager_kernels_rms_norm``,
+  a custom op whose body is the spelling's eager operations, which Inductor calls as they are.
+
+Either way the price is the fusion Inductor would have made of the norm with its neighbours (RoPE, for q and k):
+the normalized rows are written and read once more.
 """
 
 from __future__ import annotations
@@ -14,17 +22,22 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.library import triton_op
+
+from .arguments import ModulationArgs, check_args
+from .launch import launch_modulation, norm_sum_order
+from .ops import launch_context
+
+KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-@torch.library.custom_op("h3_fused::eager_rms_norm", mutates_args=())
-def eager_rms_norm(x: Tensor, weight: Tensor | None, eps: float, rounds_before_weight: bool) -> Tensor:
-    """RMSNorm of ``x`` over its last dim, ``r = rsqrt(mean(x32^2) + eps)`` (``x32`` = ``x`` in fp32), computed by
-    the eager operations of the spelling the graph had, the output contiguous and of ``x``'s dtype:
+@torch.library.custom_op("h3_fused::eager_kernels_rms_norm", mutates_args=())
+def eager_kernels_rms_norm(x: Tensor, weight: Tensor | None, eps: float, rounds_before_weight: bool) -> Tensor:
+    """``eager_rms_norm`` computed by the eager operations of the spelling the graph had, the output contiguous:
 
-    - ``rounds_before_weight`` false: ``R(x32 * r * w32)``, one rounding, as ``nn.RMSNorm`` and ``F.rms_norm``
-      compute it: ``F.rms_norm`` (on CUDA torch's fused RMSNorm kernel);
-    - true: ``R(R(x32 * r) * w)``, the native spelling: ``x.float().pow(2).mean(-1, keepdim=True)`` (torch's
-      generic reduction), ``rsqrt``, the product cast to ``x``'s dtype, then the weight multiplied in that dtype.
+    - ``rounds_before_weight`` false: ``F.rms_norm`` (on CUDA torch's fused RMSNorm kernel);
+    - true, the native spelling: ``x.float().pow(2).mean(-1, keepdim=True)`` (torch's generic reduction),
+      ``rsqrt``, the product cast to ``x``'s dtype, then the weight multiplied in that dtype.
     """
     if not rounds_before_weight:
         out = F.rms_norm(x, (x.shape[-1],), weight, eps)
@@ -36,6 +49,34 @@ def eager_rms_norm(x: Tensor, weight: Tensor | None, eps: float, rounds_before_w
     return out.contiguous()
 
 
-@eager_rms_norm.register_fake
+@eager_kernels_rms_norm.register_fake
 def _(x: Tensor, weight: Tensor | None, eps: float, rounds_before_weight: bool) -> Tensor:
     return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
+def kernel_args(x: Tensor, weight: Tensor | None, eps: float, rounds_before_weight: bool) -> ModulationArgs | None:
+    """The plain-RMSNorm arguments of the forward kernel where it computes this norm in eager's order (on CUDA,
+    the weight absent or of ``x``'s dtype, rows and a width ``launch.norm_sum_order`` reproduces), else None."""
+    if (x.device.type != "cuda" or x.dtype not in KERNEL_DTYPES or x.dim() < 1 or x.numel() == 0
+            or (weight is not None and (weight.dtype != x.dtype or weight.device != x.device))):
+        return None
+    a = check_args(x=x, weight=weight, eps=eps, policy="bf16", norm_rounds_before_weight=rounds_before_weight,
+                   has_norm=True)
+    rows = a.rows if isinstance(a.rows, int) else None
+    return a if norm_sum_order(a.rounding, a.hidden, True, rows) else None
+
+
+@triton_op("h3_fused::eager_rms_norm", mutates_args=())
+def eager_rms_norm(x: Tensor, weight: Tensor | None, eps: float, rounds_before_weight: bool) -> Tensor:
+    """RMSNorm of ``x`` over its last dim, ``r = rsqrt(mean(x32^2) + eps)`` (``x32`` = ``x`` in fp32), bit for bit
+    as the eager spelling the graph had computes it, the output contiguous and of ``x``'s dtype:
+    ``rounds_before_weight`` false: ``R(x32 * r * w32)``, one rounding (``nn.RMSNorm``, ``F.rms_norm``); true:
+    ``R(R(x32 * r) * w)``, the native spelling. The forward kernel where ``kernel_args`` says it reproduces
+    eager's order, else ``eager_kernels_rms_norm``."""
+    a = kernel_args(x, weight, eps, rounds_before_weight)
+    if a is None:
+        return eager_kernels_rms_norm(x, weight, eps, rounds_before_weight)
+    y = torch.empty(a.out_shape, dtype=a.dtype, device=a.device)
+    with launch_context(a.device, (x, weight, eps, rounds_before_weight)) as wrap:
+        launch_modulation(a, None, y, wrap)
+    return y

@@ -13,6 +13,8 @@ Per row ``t`` (``i = index[t]``, arithmetic in fp32 unless said below, ``R`` = r
                p = 1 + scale[i]                (R if ROUND_AFFINE)
                q = n * p                       (R if ROUND_AFFINE; fused with the add if FUSE_MULTIPLY_ADD)
                y = R(q + shift[i])             -> stored (A, B)
+    plain RMSNorm (A without HAS_AFFINE: no tables, no index):
+               y = R(n)                        -> stored
 
 The ``ROUND_*``, ``FUSE_MULTIPLY_ADD`` and ``NORM_SUM_ORDER`` constexprs are ``contract.Rounding``'s fields,
 one for one (``NORM_SUM_ORDER``: 0 the kernel's own order, 1 ``"fused_rms_norm"``, 2 ``"mean"``).
@@ -160,13 +162,14 @@ def _tables_chunk(w_ptr, shift_ptr, scale_ptr, idx, c: tl.constexpr, row_ok, str
 def _modulated(
     u, r, w_ptr, shift_ptr, scale_ptr, y_ptr, idx, zero, start: tl.constexpr, lanes, mask,
     stride_shift, stride_scale, tables,
-    HIDDEN: tl.constexpr, HAS_WEIGHT: tl.constexpr, ROUND_NORM: tl.constexpr,
+    HIDDEN: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_AFFINE: tl.constexpr, ROUND_NORM: tl.constexpr,
     ROUND_NORM_BEFORE_WEIGHT: tl.constexpr, ROUND_AFFINE: tl.constexpr, FUSE_MULTIPLY_ADD: tl.constexpr,
     INTERPRETED: tl.constexpr, PRELOAD_TABLE_CHUNKS: tl.constexpr,
 ):
-    """One chunk of ``y = R(R(norm(u)) * R(1 + scale[i]) + shift[i])`` (roundings as the flags say), returned
-    in the activation dtype for the caller to store. The weight, scale and shift chunks are ``tables``
-    (loaded by the caller) under ``PRELOAD_TABLE_CHUNKS``, else loaded here, each just before its first use."""
+    """One chunk of ``y = R(R(norm(u)) * R(1 + scale[i]) + shift[i])`` (roundings as the flags say), or without
+    ``HAS_AFFINE`` of ``y = R(norm(u))``, returned in the activation dtype for the caller to store. The weight,
+    scale and shift chunks are ``tables`` (loaded by the caller) under ``PRELOAD_TABLE_CHUNKS``, else loaded
+    here, each just before its first use."""
     act: tl.constexpr = y_ptr.dtype.element_ty
     n = u * r[:, None]
     if HAS_WEIGHT:
@@ -176,20 +179,23 @@ def _modulated(
         n = n * widened(w)
     if ROUND_NORM:
         n = rounded(n, act, INTERPRETED)
-    scale = tables[1] if PRELOAD_TABLE_CHUNKS else _table_chunk(scale_ptr, idx, start, lanes, mask, stride_scale)
-    shift = tables[2] if PRELOAD_TABLE_CHUNKS else _table_chunk(shift_ptr, idx, start, lanes, mask, stride_shift)
-    if ROUND_AFFINE:  # a plain conversion: LLVM narrows the rounded affine to packed bf16 arithmetic
-        scale, shift = scale.to(tl.float32), shift.to(tl.float32)
-        p = rounded(1.0 + scale, act, INTERPRETED)
+    if HAS_AFFINE:  # an else, not an early return: Triton builds what follows a return in a static if
+        scale = tables[1] if PRELOAD_TABLE_CHUNKS else _table_chunk(scale_ptr, idx, start, lanes, mask, stride_scale)
+        shift = tables[2] if PRELOAD_TABLE_CHUNKS else _table_chunk(shift_ptr, idx, start, lanes, mask, stride_shift)
+        if ROUND_AFFINE:  # a plain conversion: LLVM narrows the rounded affine to packed bf16 arithmetic
+            scale, shift = scale.to(tl.float32), shift.to(tl.float32)
+            p = rounded(1.0 + scale, act, INTERPRETED)
+        else:
+            scale, shift = widened(scale), widened(shift)
+            p = 1.0 + scale
+        if FUSE_MULTIPLY_ADD:
+            y = tl.fma(n, p, shift)
+        elif ROUND_AFFINE:
+            y = rounded_product(n, p, zero, act, INTERPRETED) + shift
+        else:
+            y = mul_rn(n, p, zero) + shift
     else:
-        scale, shift = widened(scale), widened(shift)
-        p = 1.0 + scale
-    if FUSE_MULTIPLY_ADD:
-        y = tl.fma(n, p, shift)
-    elif ROUND_AFFINE:
-        y = rounded_product(n, p, zero, act, INTERPRETED) + shift
-    else:
-        y = mul_rn(n, p, zero) + shift
+        y = n
     return rounded(y, act, INTERPRETED).to(act)
 
 
@@ -307,7 +313,7 @@ def _modulate_rows(
     n_rows, num_table_rows, eps,
     stride_x, stride_res, stride_branch, stride_gate, stride_shift, stride_scale,
     HIDDEN: tl.constexpr, HAS_GATE: tl.constexpr, HAS_NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-    ROUND_GATE: tl.constexpr, ROUND_NORM: tl.constexpr, ROUND_NORM_BEFORE_WEIGHT: tl.constexpr,
+    HAS_AFFINE: tl.constexpr, ROUND_GATE: tl.constexpr, ROUND_NORM: tl.constexpr, ROUND_NORM_BEFORE_WEIGHT: tl.constexpr,
     ROUND_AFFINE: tl.constexpr, FUSE_MULTIPLY_ADD: tl.constexpr, NORM_SUM_ORDER: tl.constexpr, INTERPRETED: tl.constexpr,
     BLOCK_T: tl.constexpr, CHUNK: tl.constexpr, PRELOAD_TABLE_CHUNKS: tl.constexpr, WARM_ROWS_AHEAD: tl.constexpr,
     WARMING_LANES: tl.constexpr,
@@ -315,10 +321,16 @@ def _modulate_rows(
     """The rows of program ``program`` (int64), counting the programs of rows."""
     rows = program * BLOCK_T + tl.arange(0, BLOCK_T)
     row_ok = rows < n_rows
-    idx = tl.load(idx_ptr + rows, mask=row_ok, other=0).to(tl.int64)
-    bad = row_ok & ((idx < 0) | (idx >= num_table_rows))
-    zero = (idx < 0).to(tl.int32)[:, None]  # 0 wherever the result is defined (see ``device_math.mul_rn``)
-    idx = tl.where(bad, 0, idx)  # every load reads in bounds, whatever the index
+    HAS_TABLES: tl.constexpr = HAS_GATE or HAS_AFFINE
+    if HAS_TABLES:
+        idx = tl.load(idx_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+        bad = row_ok & ((idx < 0) | (idx >= num_table_rows))
+        zero = (idx < 0).to(tl.int32)[:, None]  # 0 wherever the result is defined (see ``device_math.mul_rn``)
+        idx = tl.where(bad, 0, idx)  # every load reads in bounds, whatever the index
+    else:  # a plain norm: no index; the zero from a loaded value, 1 only on a row whose outputs are NaN anyway
+        first = tl.load(x_ptr + rows * stride_x, mask=row_ok, other=0.0)
+        zero = (first != first).to(tl.int32)[:, None]
+        idx = rows  # read by no load
 
     kept = ()  # the row's chunks of u, in the activation dtype (exact: u is rounded to it or loaded in it)
     squares = tl.zeros([BLOCK_T, CHUNK // 4 if NORM_SUM_ORDER == 1 else CHUNK], tl.float32)
@@ -346,7 +358,8 @@ def _modulate_rows(
             tl.store(u_ptr + rows[:, None] * HIDDEN + c * CHUNK + lanes[None, :], kept[c], mask=mask)
     # after the activation loads: a load may not move above the assertion's call, which would otherwise
     # hold the row's loads until the index arrives (docs/DESIGN.md, "The index assertion's place")
-    tl.device_assert(~bad, "h3_fused: index out of range [0, K)")
+    if HAS_TABLES:
+        tl.device_assert(~bad, "h3_fused: index out of range [0, K)")
     if HAS_NORM and PRELOAD_TABLE_CHUNKS and not HAS_GATE:  # site A: after the assertion, so that ptxas does not
         # compute their addresses, which wait for the index, before issuing the activation loads
         tables = _tables_chunk(w_ptr, shift_ptr, scale_ptr, idx, 0, row_ok, stride_shift, stride_scale, HIDDEN,
@@ -366,10 +379,10 @@ def _modulate_rows(
                 tables = _tables_chunk(w_ptr, shift_ptr, scale_ptr, idx, c + 1, row_ok, stride_shift, stride_scale,
                                        HIDDEN, CHUNK, HAS_WEIGHT)
             y = _modulated(widened(kept[c]), r, w_ptr, shift_ptr, scale_ptr, y_ptr, idx, zero, c * CHUNK, lanes,
-                           mask, stride_shift, stride_scale, current, HIDDEN, HAS_WEIGHT, ROUND_NORM,
+                           mask, stride_shift, stride_scale, current, HIDDEN, HAS_WEIGHT, HAS_AFFINE, ROUND_NORM,
                            ROUND_NORM_BEFORE_WEIGHT, ROUND_AFFINE, FUSE_MULTIPLY_ADD, INTERPRETED, PRELOAD_TABLE_CHUNKS)
             tl.store(y_ptr + rows[:, None] * HIDDEN + c * CHUNK + lanes[None, :], y, mask=mask)
-    if WARM_ROWS_AHEAD > 0 and HAS_NORM:  # last: no register of the row is live any more
+    if WARM_ROWS_AHEAD > 0 and HAS_AFFINE:  # last: no register of the row is live any more
         _touch_coming_table_rows(program, idx_ptr, shift_ptr, scale_ptr, gate_ptr, n_rows, num_table_rows,
                                  stride_shift, stride_scale, stride_gate, HIDDEN, HAS_GATE, BLOCK_T, WARM_ROWS_AHEAD, WARMING_LANES)
 
@@ -380,7 +393,7 @@ def modulation_kernel(
     n_rows, num_table_rows, eps,
     stride_x, stride_res, stride_branch, stride_gate, stride_shift, stride_scale,
     HIDDEN: tl.constexpr, HAS_GATE: tl.constexpr, HAS_NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-    ROUND_GATE: tl.constexpr, ROUND_NORM: tl.constexpr, ROUND_NORM_BEFORE_WEIGHT: tl.constexpr,
+    HAS_AFFINE: tl.constexpr, ROUND_GATE: tl.constexpr, ROUND_NORM: tl.constexpr, ROUND_NORM_BEFORE_WEIGHT: tl.constexpr,
     ROUND_AFFINE: tl.constexpr, FUSE_MULTIPLY_ADD: tl.constexpr, NORM_SUM_ORDER: tl.constexpr, INTERPRETED: tl.constexpr,
     BLOCK_T: tl.constexpr, CHUNK: tl.constexpr, PRELOAD_TABLE_CHUNKS: tl.constexpr, WARM_ROWS_AHEAD: tl.constexpr,
     WARM_TABLES_FIRST: tl.constexpr, WARMING_LANES: tl.constexpr,
@@ -396,6 +409,6 @@ def modulation_kernel(
     else:
         _modulate_rows(program - warming, x_ptr, res_ptr, branch_ptr, gate_ptr, w_ptr, shift_ptr, scale_ptr, idx_ptr,
                        u_ptr, y_ptr, n_rows, num_table_rows, eps, stride_x, stride_res, stride_branch, stride_gate,
-                       stride_shift, stride_scale, HIDDEN, HAS_GATE, HAS_NORM, HAS_WEIGHT, ROUND_GATE, ROUND_NORM,
+                       stride_shift, stride_scale, HIDDEN, HAS_GATE, HAS_NORM, HAS_WEIGHT, HAS_AFFINE, ROUND_GATE, ROUND_NORM,
                        ROUND_NORM_BEFORE_WEIGHT, ROUND_AFFINE, FUSE_MULTIPLY_ADD, NORM_SUM_ORDER, INTERPRETED,
                        BLOCK_T, CHUNK, PRELOAD_TABLE_CHUNKS, WARM_ROWS_AHEAD, WARMING_LANES)

@@ -85,7 +85,7 @@ def sum_order_chunk(hidden: int, sum_order: int) -> int | None:
 
 
 def launch_config(hidden: int, has_gate: bool, has_norm: bool, rows: int | None,
-                  sum_order: int = 0) -> LaunchConfig:
+                  sum_order: int = 0, has_affine: bool = True) -> LaunchConfig:
     """Whole rows in registers, read in chunks of one 16-byte vector per thread (8 bf16), so that only the
     last chunk pads ``H``; one row per program (rows shorter than the program's lanes share it).
 
@@ -100,6 +100,9 @@ def launch_config(hidden: int, has_gate: bool, has_norm: bool, rows: int | None,
       to ``SITE_A_FEW_ROWS`` rows (beyond, the extra registers cost more than the early loads gain).
     - ``warm_rows_ahead``: ``WARM_ROWS_AHEAD`` rows for sites A and B.
     - ``warm_tables_first``: site A (B gains nothing from it, C loses).
+
+    A plain RMSNorm (``has_norm`` without ``has_affine``) reads no tables: it runs as site A with nothing
+    preloaded or warmed (the kernel warms table rows ahead only for a site with an affine).
 
     ``rows`` is the row count, or None where it is symbolic (a graph compiled for dynamic shapes): the
     many-rows choice, without a guard on the count.
@@ -120,8 +123,9 @@ def launch_config(hidden: int, has_gate: bool, has_norm: bool, rows: int | None,
         num_warps, chunk = MIN_WARPS, sum_order_chunk(hidden, sum_order)
         if sum_order == 2:
             block_t = 32 * MIN_WARPS * 4 // chunk
-    preload = has_norm and (has_gate or hidden > SITE_A_NARROW_H or at_most(SITE_A_FEW_ROWS))
-    return LaunchConfig(block_t, chunk, num_warps, preload, warm_tables_first=has_norm and not has_gate)
+    tables = has_norm and has_affine
+    preload = tables and (has_gate or hidden > SITE_A_NARROW_H or at_most(SITE_A_FEW_ROWS))
+    return LaunchConfig(block_t, chunk, num_warps, preload, warm_tables_first=tables and not has_gate)
 
 
 def ceil_div(a, b):
@@ -144,11 +148,12 @@ def warming_program_count(a: ModulationArgs, lanes: int) -> int:
 
 
 def specialisation(hidden: int, has_gate: bool, has_norm: bool, has_weight: bool, rounding: Rounding,
-                   config: LaunchConfig, interpreted: bool, sum_order: int = 0) -> dict:
-    """The kernel's constexpr arguments for one site, rounding, launch configuration and norm sum order
-    (``norm_sum_order``'s)."""
+                   config: LaunchConfig, interpreted: bool, sum_order: int = 0, has_affine: bool = True) -> dict:
+    """The kernel's constexpr arguments for one site (a plain RMSNorm: ``has_norm`` without ``has_affine``),
+    rounding, launch configuration and norm sum order (``norm_sum_order``'s)."""
     return dict(
         HIDDEN=hidden, HAS_GATE=has_gate, HAS_NORM=has_norm, HAS_WEIGHT=has_weight,
+        HAS_AFFINE=has_norm and has_affine,
         ROUND_GATE=rounding.gate_product, ROUND_NORM=rounding.norm_output,
         ROUND_NORM_BEFORE_WEIGHT=rounding.norm_before_weight, ROUND_AFFINE=rounding.affine,
         FUSE_MULTIPLY_ADD=rounding.fused_multiply_add, NORM_SUM_ORDER=sum_order,
@@ -245,17 +250,18 @@ def no_launch_hooks() -> bool:
 def plan_launch(a: ModulationArgs, config: LaunchConfig | None = None) -> KernelLaunch:
     """The launch of ``modulation_kernel`` for ``a`` with ``config`` (default: ``launch_config``'s)."""
     rows = a.rows if isinstance(a.rows, int) else None
-    sum_order = norm_sum_order(a.rounding, a.hidden, a.scale is not None, rows)
+    has_norm, has_affine = a.has_norm, a.has_affine
+    sum_order = norm_sum_order(a.rounding, a.hidden, has_norm, rows)
     if config is None:
-        config = launch_config(a.hidden, a.gate is not None, a.scale is not None, rows, sum_order)
+        config = launch_config(a.hidden, a.gate is not None, has_norm, rows, sum_order, has_affine)
     elif sum_order and config.chunk != sum_order_chunk(a.hidden, sum_order):
         raise ValueError(f"config.chunk={config.chunk}: where the norm's squares add in an eager kernel's order a "
                          f"chunk holds {sum_order_chunk(a.hidden, sum_order)} columns at H={a.hidden}")
     rows_alias = "x" if a.x is not None else "residual"
-    table_alias = "gate" if a.gate is not None else "scale"
+    table_alias = "gate" if a.gate is not None else "scale" if has_affine else rows_alias
     slots = tuple(name if getattr(a, name) is not None else alias for name, alias in (
         ("x", rows_alias), ("residual", rows_alias), ("branch", rows_alias), ("gate", table_alias),
-        ("weight", table_alias), ("shift", table_alias), ("scale", table_alias), ("index", "index")))
+        ("weight", table_alias), ("shift", table_alias), ("scale", table_alias), ("index", rows_alias)))
     x, res, branch, gate, _, shift, scale, _ = (getattr(a, name) for name in slots)
     warming = warming_program_count(a, config.warming_lanes) if config.warm_tables_first else 0
     return KernelLaunch(
@@ -263,8 +269,8 @@ def plan_launch(a: ModulationArgs, config: LaunchConfig | None = None) -> Kernel
         scalars=(a.rows, a.num_table_rows, a.eps, x.stride(0), res.stride(0), branch.stride(0), gate.stride(0),
                  shift.stride(0), scale.stride(0)),
         grid=(ceil_div(a.rows, config.block_t) + warming,), num_warps=config.num_warps,
-        constexprs=specialisation(a.hidden, a.gate is not None, a.scale is not None, a.weight is not None,
-                                  a.rounding, config, interpreting(), sum_order))
+        constexprs=specialisation(a.hidden, a.gate is not None, has_norm, a.weight is not None,
+                                  a.rounding, config, interpreting(), sum_order, has_affine))
 
 
 def launch_modulation(a: ModulationArgs, u: torch.Tensor | None, y: torch.Tensor | None, wrap,

@@ -1,5 +1,5 @@
 """The RMSNorms of a post-grad graph outside the modulation sites, and their replacement by
-``torch.ops.h3_fused.eager_rms_norm`` (eager's own kernels; ``h3_fused.kernels.eager_norm`` says why).
+``torch.ops.h3_fused.eager_rms_norm`` (eager's bits; ``h3_fused.kernels.eager_norm`` says why and how).
 
 A norm is matched from its output down, by the same structural matcher as a site's norm (``sites.match_norm``:
 ``nn.RMSNorm`` / ``F.rms_norm`` with one rounding, or the native spelling with two), with or without a weight;
@@ -10,15 +10,13 @@ A norm whose intermediate values are used elsewhere (the inverse RMS saved for a
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import torch
-from torch._guards import detect_fake_mode
 from torch.fx import Graph, Node
 
 from .graph_view import CONVERT, MUL, NoMatch, dtype_of, is_op, shape_of
-from .replacements import INHERITED_META, SITE_META, erase_unused
+from .replacements import INHERITED_META, NORM_META, SITE_META, erase_unused, splice
 from .sites import ACTIVATION_DTYPES, Norm, check_interior, match_norm
 
 
@@ -64,17 +62,17 @@ def find_norms(graph: Graph, refuse=lambda node, why: None, wanted=lambda node: 
 
 
 def replace_norm(graph: Graph, found: StandaloneNorm) -> Node:
-    """Put one ``eager_rms_norm`` call where the norm was; returns its node."""
+    """Put one ``eager_rms_norm`` call where the norm was, traced under functionalization (on CUDA, where it
+    launches the forward kernel, Inductor then inlines the kernel); returns the node of its output."""
     norm, output = found.norm, found.output
-    args = (norm.x, norm.weight, norm.eps, norm.rounds_before_weight)
-    op = torch.ops.h3_fused.eager_rms_norm.default
-    values = [n.meta["val"] for n in (norm.x, norm.weight) if n is not None]
-    with detect_fake_mode(values) or contextlib.nullcontext():
-        value = op(*(a.meta["val"] if isinstance(a, Node) else a for a in args))
-    with graph.inserting_before(output):
-        new = graph.call_function(op, args)
-    new.meta.update({k: output.meta[k] for k in INHERITED_META if k in output.meta})
-    new.meta["val"] = value
+    inputs = [n for n in (norm.x, norm.weight) if n is not None]
+
+    def fn(x, weight=None):
+        return (torch.ops.h3_fused.eager_rms_norm(x, weight, norm.eps, norm.rounds_before_weight),)
+
+    meta = {k: output.meta[k] for k in INHERITED_META if k in output.meta}
+    (new,) = splice(graph, fn, inputs, output, dict(meta, **{NORM_META: f"eager_rms_norm@{output.name}"}))
+    new.meta.setdefault("val", output.meta.get("val"))
     output.replace_all_uses_with(new)
     erase_unused(graph, norm.nodes)
     return new

@@ -55,6 +55,7 @@ def _position(graph: Graph) -> dict[Node, int]:
 # torch.utils.checkpoint's tracing marks its region (the partitioner recomputes such nodes in the backward)
 INHERITED_META = ("stack_trace", "nn_module_stack", "recompute", "ac_graph_id")
 SITE_META = "h3_fused_site"  # on every node of a replacement: which site it computes, for later passes to read
+NORM_META = "h3_fused_norm"  # on every node of an RMSNorm's replacement (``norms.replace_norm``): which norm
 
 
 def replace_site(graph: Graph, site: Site, policy: str, decomposed: bool = True) -> list[Node]:
@@ -66,24 +67,32 @@ def replace_site(graph: Graph, site: Site, policy: str, decomposed: bool = True)
     outside_users = [u for out in site.outputs for u in out.users if u not in interior]
     expect(all(pos[u] > pos[last_input] for u in outside_users),
            "an output is used before every input of the site is ready")
-    vals = [n.meta["val"] for n in inputs]
-    with detect_fake_mode(vals) or contextlib.nullcontext():  # Triton HOPs trace only under the fake mode
-        traced = fwd_only(dispatch_functionalize(fn), vals) if decomposed else make_fx(fn)(*vals)
-    placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
     inherited = {k: site.outputs[-1].meta[k] for k in INHERITED_META if k in site.outputs[-1].meta}
     inherited[SITE_META] = f"{site.kind.value}@{site.outputs[-1].name}"
-    after = last_input.next
-    with graph.inserting_before(after):
-        new_outputs = graph.graph_copy(traced.graph, dict(zip(placeholders, inputs)))
-    node = last_input.next
-    while node is not after:
-        node.meta.update(inherited)
-        node = node.next
+    new_outputs = splice(graph, fn, inputs, last_input.next, inherited, decomposed)
     for old, new in zip(site.outputs, new_outputs):
         new.meta.setdefault("val", old.meta.get("val"))
         old.replace_all_uses_with(new)
     erase_unused(graph, interior, pos)
     return list(new_outputs)
+
+
+def splice(graph: Graph, fn, inputs: list[Node], before: Node, meta: dict, decomposed: bool = True) -> tuple:
+    """Trace ``fn`` (a tuple of outputs from tensors) on the values of ``inputs`` (``decomposed``: under
+    functionalization, so that a ``triton_op`` decomposes into its Triton kernel call; else a call of each op)
+    and insert its nodes before ``before``, each with ``meta``; returns the nodes of its outputs."""
+    vals = [n.meta["val"] for n in inputs]
+    with detect_fake_mode(vals) or contextlib.nullcontext():  # Triton HOPs trace only under the fake mode
+        traced = fwd_only(dispatch_functionalize(fn), vals) if decomposed else make_fx(fn)(*vals)
+    placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
+    first = before.prev
+    with graph.inserting_before(before):
+        outputs = graph.graph_copy(traced.graph, dict(zip(placeholders, inputs)))
+    node = first.next
+    while node is not before:
+        node.meta.update(meta)
+        node = node.next
+    return outputs
 
 
 def erase_unused(graph: Graph, nodes, pos: dict[Node, int] | None = None) -> None:
@@ -102,4 +111,4 @@ def erase_unused(graph: Graph, nodes, pos: dict[Node, int] | None = None) -> Non
             graph.erase_node(node)
 
 
-__all__ = ["SITE_META", "NoMatch", "erase_unused", "replace_site", "replacement_fn"]
+__all__ = ["NORM_META", "SITE_META", "NoMatch", "erase_unused", "replace_site", "replacement_fn", "splice"]

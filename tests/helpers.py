@@ -36,6 +36,14 @@ def fused_sites_in(graph) -> int:
     return len({n.meta[SITE_META] for n in graph.nodes if SITE_META in n.meta})
 
 
+def eager_norms_in(graph) -> int:
+    """The RMSNorms of a post-grad graph replaced by ``h3_fused::eager_rms_norm``, by the mark every node of a
+    replacement carries (on CUDA the op decomposes into its kernel's launch)."""
+    from h3_fused.patterns.replacements import NORM_META
+
+    return len({n.meta[NORM_META] for n in graph.nodes if NORM_META in n.meta})
+
+
 PUBLIC_SPELLINGS = [  # spec section 2, one switch at a time, then all at once
     Spellings(norm="native"),
     Spellings(gather="getitem"),

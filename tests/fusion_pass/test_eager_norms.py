@@ -5,7 +5,7 @@ outside the sites: per-head q/k norms, plain norms, the native spelling; never i
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import bf16, fused_sites_in, sites_fused
+from helpers import bf16, eager_norms_in, fused_sites_in, sites_fused
 from torch import nn
 from torch._dynamo.utils import counters
 
@@ -52,14 +52,10 @@ def compile_and_run(options, extra_pass=None):
         return block(*args), torch.compile(block, backend="h3_fused", options=options)(*args)
 
 
-def eager_norm_calls(graph) -> int:
-    return sum(n.target is torch.ops.h3_fused.eager_rms_norm.default for n in graph.nodes)
-
-
 def test_bf16_computes_every_norm_outside_the_sites_with_eagers_kernels():
     seen = []
     expected, got = compile_and_run({"dtype_policy": "bf16"},
-                                    lambda graph: seen.append((fused_sites_in(graph), eager_norm_calls(graph))))
+                                    lambda graph: seen.append((fused_sites_in(graph), eager_norms_in(graph))))
     assert seen == [(1, 4)], "one site A; the q and k norms, the plain norm and the native one"
     assert counters["h3_fused"]["eager_rms_norm"] == 4 and sites_fused() == 1
     assert torch.equal(got, expected)
@@ -69,7 +65,7 @@ def test_bf16_computes_every_norm_outside_the_sites_with_eagers_kernels():
                          ids=["fp32", "eager_norms_off"])
 def test_norms_stay_inductors_under_fp32_or_when_turned_off(options):
     seen = []
-    compile_and_run(options, lambda graph: seen.append((fused_sites_in(graph), eager_norm_calls(graph))))
+    compile_and_run(options, lambda graph: seen.append((fused_sites_in(graph), eager_norms_in(graph))))
     assert seen == [(1, 0)] and counters["h3_fused"]["eager_rms_norm"] == 0
 
 
@@ -93,7 +89,7 @@ def test_a_norm_whose_inverse_rms_is_used_elsewhere_is_left_and_logged(h3_fused_
 
 def test_a_layer_norm_is_not_an_rms_norm():
     seen = []
-    with torch._inductor.config.patch(post_grad_custom_post_pass=lambda graph: seen.append(eager_norm_calls(graph))):
+    with torch._inductor.config.patch(post_grad_custom_post_pass=lambda graph: seen.append(eager_norms_in(graph))):
         torch.compile(lambda x: F.layer_norm(x, (H,)), backend="h3_fused",
                       options={"dtype_policy": "bf16"})(torch.randn(8, H).to(bf16))
     assert seen == [0]

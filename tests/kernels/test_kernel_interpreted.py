@@ -55,6 +55,20 @@ def launched(config=None, **kwargs):
     return u, y
 
 
+@pytest.mark.parametrize("hidden", [4, 64, 101, 128, 200])
+@pytest.mark.parametrize("weighted", [True, False])
+@pytest.mark.parametrize("native", [False, True])
+def test_a_plain_rms_norm_matches_its_spelling(hidden, weighted, native):
+    """Site A without tables or index (what ``eager_rms_norm`` launches on CUDA): ``R(norm(x))`` with one
+    rounding or, native, two; held to the spelling's eager ops on the CPU (whose sum has its own order)."""
+    x, _, w, _, _ = site_inputs(40, hidden)
+    weight = w if weighted else None
+    a = check_args(x=x, weight=weight, eps=1e-5, policy="bf16", norm_rounds_before_weight=native, has_norm=True)
+    y = torch.empty(a.out_shape, dtype=a.dtype)
+    launch.launch_modulation(a, None, y, lambda kernel: kernel)
+    same_but_for_sum_order(y, torch.ops.h3_fused.eager_kernels_rms_norm(x, weight, 1e-5, native))
+
+
 @pytest.mark.parametrize("hidden", [1, 31, 64, 101, 200])
 @pytest.mark.parametrize("tokens", [1, 5, 33])
 @pytest.mark.parametrize("policy", ["bf16", "fp32"])
