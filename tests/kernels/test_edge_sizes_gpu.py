@@ -5,7 +5,8 @@ H in {1, 31, 64, 101, 200, 5376} and T in {1, 3, 257}, with the configuration ``
 its few rows, for ``FEW_ROWS`` rows and for many rows (so the 8- and 4-warp builds of sites A and B, with
 their table chunks preloaded and not, are all run), and each once more warming the coming table rows one row
 ahead (the shipped distance never reaches past these sizes), where site B also runs with an fp32 gate table
-and bf16 shift and scale (the warming reads the gate row with a load of its own).
+and bf16 shift and scale (the warming reads the gate row with a load of its own); and the plain RMSNorm
+(``eager_rms_norm``'s kernel) at the same sizes.
 """
 
 import dataclasses
@@ -14,7 +15,7 @@ import itertools
 import pytest
 import torch
 from h3_fused.kernels.arguments import check_args
-from h3_fused.kernels.launch import FEW_ROWS, launch_config, norm_sum_order
+from h3_fused.kernels.launch import FEW_ROWS, launch_config, launch_modulation, norm_sum_order
 from h3_fused.kernels.reference import reference_modulation
 from sites import kernel_launch, make_inputs
 
@@ -47,3 +48,21 @@ def test_every_build_at_the_edge_sizes_matches_the_reference(rows_for, warm_next
             if y is not None:  # the norm's fp32 sum has the kernel's order: a rare last-place flip
                 assert (y != expected[1]).float().mean() <= 1e-3 + 1 / y.numel(), (site, policy, tokens)
                 torch.testing.assert_close(y, expected[1], rtol=2 ** -7, atol=2 ** -7 * expected[1].abs().max().item())
+
+
+@pytest.mark.parametrize("hidden", [1, 31, 64, 101, 200, 5376])
+def test_the_plain_rms_norm_at_the_edge_sizes_matches_eagers_ops(hidden):
+    """Site A without tables, index or affine (``eager_rms_norm``'s kernel), with and without a weight, one
+    rounding and the native two, into an output poisoned with NaN: every element written, eager's value but for
+    the sum's order where the kernel does not reproduce it."""
+    for tokens, weighted, native in itertools.product((1, 3, 257), (True, False), (False, True)):
+        g = torch.Generator(device="cuda").manual_seed(tokens)
+        x = torch.randn(tokens, hidden, generator=g, device="cuda").to(torch.bfloat16)
+        weight = torch.randn(hidden, generator=g, device="cuda").to(torch.bfloat16) if weighted else None
+        a = check_args(x=x, weight=weight, eps=1e-5, policy="bf16", norm_rounds_before_weight=native, has_norm=True)
+        y = torch.full_like(x, float("nan"))
+        launch_modulation(a, None, y, lambda kernel: kernel)
+        expected = torch.ops.h3_fused.eager_kernels_rms_norm(x, weight, 1e-5, native)
+        assert not y.isnan().any(), (tokens, weighted, native)
+        assert (y != expected).float().mean() <= 1e-3 + 1 / y.numel(), (tokens, weighted, native)
+        torch.testing.assert_close(y, expected, rtol=2 ** -7, atol=2 ** -7 * expected.abs().max().item())
