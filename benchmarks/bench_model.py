@@ -15,7 +15,8 @@
    Dynamo's time per compile phase.
 5. diffusers (``--parts diffusers``; needs diffusers): ``MiniMaxH3Transformer3DModel`` at the checkpoint's
    dims and precision, ``--diffusers-blocks`` blocks, T = 15,808 rows, under diffusers' own
-   ``compile_repeated_blocks`` per variant: ms and CUDA kernels per forward.
+   ``compile_repeated_blocks`` per variant, in interleaved rounds: ms and CUDA kernels per forward and per call
+   of its first block.
 6. Inventory (``--parts inventory``, not in the default parts): the CUDA kernels of one block of the
    model-level graph by name, under Inductor and h3_fused, and what each launches that the other does not.
 """
@@ -175,46 +176,67 @@ def kernel_inventory(rows):
               f"{dict(only)}", flush=True)
 
 
+def first_block_inputs(model, inputs) -> tuple:
+    """The ``(args, kwargs)`` the first transformer block of diffusers' ``model`` receives in an eager forward."""
+    captured = []
+    hook = model.transformer_blocks[0].register_forward_pre_hook(
+        lambda module, args, kwargs: captured.append((args, kwargs)), with_kwargs=True)
+    with torch.no_grad():
+        model(**inputs)
+    hook.remove()
+    return captured[0]
+
+
 def diffusers_model(rows, blocks, rounds):
-    """diffusers' model, each variant compiled as its users do (``compile_repeated_blocks``), all held at once
-    and timed in ``rounds`` interleaved rounds (a drift of the card's clocks reaches every variant alike): the
-    median of the rounds' medians, and their spread. Then, per variant, the kernels whose GPU time differs by
-    more than 20 us from h3_fused ``bf16``'s, by name, for the variants that take a part of its exactness
-    away (where its cost comes from)."""
+    """diffusers' model, each variant compiled as its users do (``compile_repeated_blocks``), all held at once:
+    the whole forward (level ``diffusers``) and its first transformer block alone on the inputs it receives in
+    eager (level ``diffusers_block``), timed in ``rounds`` interleaved rounds (a drift of the card's clocks
+    reaches every variant alike): the median of the rounds' medians, and their spread. Then, per variant, the
+    kernels of the forward whose GPU time differs by more than 20 us from h3_fused ``bf16``'s, by name, for the
+    variants that take a part of its exactness away (where its cost comes from)."""
     from diffusers_h3 import REAL_DIMS_FEW_BLOCKS, build_model, make_request
 
     # every variant's blocks share ``nn.Module._call_impl``'s code, whose compiled entries Dynamo counts together
     torch._dynamo.config.recompile_limit = 8 * len(VARIANTS)
     release()
-    calls, profiles = {}, {}
+    calls, profiles, measured = {}, {}, {}
     for variant in tqdm(VARIANTS, desc="diffusers compile"):
         model = build_model("cuda", dict(REAL_DIMS_FEW_BLOCKS, num_layers=blocks))
         request, video, audio = make_request(model, video_rows=TOKENS - 1024, audio_rows=512, text_rows=512,
                                              batch=1, device="cuda")
         inputs = request.model_inputs(video, audio, torch.tensor(0.7))
+        block_args, block_kwargs = first_block_inputs(model, inputs)
         if VARIANTS[variant] is not None:
             backend, options = VARIANTS[variant]
             model.compile_repeated_blocks(backend=backend, options=options or None, dynamic=False)
         counters.clear()
 
         @torch.no_grad()
-        def call(model=model, inputs=inputs):
+        def forward(model=model, inputs=inputs):
             return model(**inputs)
 
-        profiles[variant] = cuda_kernels(call)  # compiles first
-        calls[variant] = call
-        fused = sum("modulation_kernel" in e.name for e in profiles[variant])
-        rows.append(dict(level="diffusers", variant=variant, blocks=blocks, T=TOKENS, kernels=len(profiles[variant]),
-                         fused_kernels=fused, counters=dict(counters["h3_fused"])))
+        @torch.no_grad()
+        def first_block(block=model.transformer_blocks[0], args=block_args, kwargs=block_kwargs):
+            return block(*args, **kwargs)
+
+        profiles[variant] = cuda_kernels(forward)  # compiles first
+        for level, call in (("diffusers", forward), ("diffusers_block", first_block)):
+            kernels = profiles[variant] if level == "diffusers" else cuda_kernels(first_block)
+            calls[level, variant] = call
+            measured[level, variant] = dict(
+                level=level, variant=variant, blocks=blocks if level == "diffusers" else 1, T=TOKENS,
+                kernels=len(kernels), fused_kernels=sum("modulation_kernel" in e.name for e in kernels),
+                counters=dict(counters["h3_fused"]))
     times = collections.defaultdict(list)
     for _ in tqdm(range(rounds), desc="diffusers rounds"):
-        for variant, call in calls.items():
-            times[variant].append(do_bench(call, warmup=100, rep=600, return_mode="median"))
-    for row in rows[-len(calls):]:
-        ms = sorted(times[row["variant"]])
+        for key, call in calls.items():
+            times[key].append(do_bench(call, warmup=100, rep=600, return_mode="median"))
+    for key, row in measured.items():
+        ms = sorted(times[key])
         row.update(ms=ms[len(ms) // 2], ms_rounds=ms)
-        print(f"diffusers {row['variant']:32s} {blocks} blocks: {row['ms']:8.2f} ms (rounds {ms[0]:.2f}-{ms[-1]:.2f})"
-              f"  {row['kernels']:5d} kernels/forward ({row['fused_kernels']} fused)", flush=True)
+        rows.append(row)
+        print(f"{row['level']:15s} {row['variant']:32s} {row['blocks']} blocks: {row['ms']:8.2f} ms (rounds "
+              f"{ms[0]:.2f}-{ms[-1]:.2f})  {row['kernels']:5d} kernels ({row['fused_kernels']} fused)", flush=True)
     by_name = {v: collections.Counter() for v in profiles}
     for variant, events in profiles.items():
         for e in events:
