@@ -157,6 +157,6 @@ def check_args(*, x=None, residual=None, branch=None, gate=None, weight=None, sh
         residual=as_rows("residual", residual, hidden) if residual is not None else None,
         branch=as_rows("branch", branch, hidden) if branch is not None else None,
         gate=tables.get("gate"), weight=weight, shift=tables.get("shift"), scale=tables.get("scale"),
-        index=index.reshape(-1).contiguous() if index is not None else None, out_shape=shape, dtype=dtype, device=device, eps=float(eps),
-        policy=resolved, rounding=rounding,
+        index=index.reshape(-1).contiguous() if index is not None else None, out_shape=shape, dtype=dtype,
+        device=device, eps=float(eps), policy=resolved, rounding=rounding,
     )

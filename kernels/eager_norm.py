@@ -10,8 +10,9 @@ bits:
 - on CUDA, where the forward kernel reproduces the order of the eager kernel the spelling runs
   (``launch.norm_sum_order``), the forward kernel as a plain RMSNorm (site A without tables): the op is a
   ``triton_op``, so Inductor inlines the kernel into its code, one pass over the rows;
-- elsewhere (the CPU; a width or a weight dtype whose eager path is not reproduced) ``h3_fused::eager_kernels_rms_norm``,
-  a custom op whose body is the spelling's eager operations, which Inductor calls as they are.
+- elsewhere (the CPU; a width or a weight dtype whose eager path is not reproduced)
+  ``h3_fused::eager_kernels_rms_norm``, a custom op whose body is the spelling's eager operations, which Inductor
+  calls as they are.
 
 Either way the price is the fusion Inductor would have made of the norm with its neighbours (RoPE, for q and k):
 the normalized rows are written and read once more.
