@@ -176,3 +176,29 @@ def test_diffusers_model_at_real_dims_under_its_regional_compile(policy):
     print(f"diffusers {policy}: max|h3_fused - eager| = {err:.3e}, "
           f"bit-identical share {(got == expected).float().mean().item():.6f}")
     torch.testing.assert_close(got, expected, rtol=0.05, atol=0.05 * expected.abs().max().item())
+
+
+@pytest.mark.parametrize("mode", ["regional", "whole"])
+def test_bf16_policy_compiles_diffusers_model_to_eagers_bits(mode):
+    """diffusers' MiniMaxH3Transformer3DModel at the checkpoint's dims and precision, 2 blocks, 15,808 rows:
+    compiled with the ``bf16`` policy, whole or by its own ``compile_repeated_blocks``, both outputs (video and
+    audio) are eager's, every element."""
+    pytest.importorskip("diffusers", reason="needs diffusers (on the GPU box: .ci/fetch-wheels, carry .whl)")
+    from diffusers_h3 import REAL_DIMS_FEW_BLOCKS, build_model, make_request
+
+    torch._dynamo.reset()
+    model = build_model("cuda", REAL_DIMS_FEW_BLOCKS)
+    request, video, audio = make_request(model, video_rows=REAL_TOKENS - 1024, audio_rows=512, text_rows=512,
+                                         batch=1, device="cuda")
+    inputs = request.model_inputs(video, audio, torch.tensor(0.7))
+    options = {"dtype_policy": "bf16"}
+    with torch.no_grad():
+        expected = model(**inputs)
+        if mode == "whole":
+            got = torch.compile(model, backend="h3_fused", options=options)(**inputs)
+        else:
+            model.compile_repeated_blocks(backend="h3_fused", options=options)
+            got = model(**inputs)
+    for name in ("sample", "audio_sample"):
+        g, e = getattr(got, name), getattr(expected, name)
+        assert torch.equal(g, e), f"{name}: {(g != e).float().mean().item():.2e} of the elements differ"
