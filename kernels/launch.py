@@ -250,15 +250,14 @@ def no_launch_hooks() -> bool:
 def plan_launch(a: ModulationArgs, config: LaunchConfig | None = None) -> KernelLaunch:
     """The launch of ``modulation_kernel`` for ``a`` with ``config`` (default: ``launch_config``'s)."""
     rows = a.rows if isinstance(a.rows, int) else None
-    has_norm, has_affine = a.has_norm, a.has_affine
-    sum_order = norm_sum_order(a.rounding, a.hidden, has_norm, rows)
+    sum_order = norm_sum_order(a.rounding, a.hidden, a.has_norm, rows)
     if config is None:
-        config = launch_config(a.hidden, a.gate is not None, has_norm, rows, sum_order, has_affine)
+        config = launch_config(a.hidden, a.gate is not None, a.has_norm, rows, sum_order, a.has_affine)
     elif sum_order and config.chunk != sum_order_chunk(a.hidden, sum_order):
         raise ValueError(f"config.chunk={config.chunk}: where the norm's squares add in an eager kernel's order a "
                          f"chunk holds {sum_order_chunk(a.hidden, sum_order)} columns at H={a.hidden}")
     rows_alias = "x" if a.x is not None else "residual"
-    table_alias = "gate" if a.gate is not None else "scale" if has_affine else rows_alias
+    table_alias = "gate" if a.gate is not None else "scale" if a.has_affine else rows_alias
     slots = tuple(name if getattr(a, name) is not None else alias for name, alias in (
         ("x", rows_alias), ("residual", rows_alias), ("branch", rows_alias), ("gate", table_alias),
         ("weight", table_alias), ("shift", table_alias), ("scale", table_alias), ("index", rows_alias)))
@@ -269,8 +268,8 @@ def plan_launch(a: ModulationArgs, config: LaunchConfig | None = None) -> Kernel
         scalars=(a.rows, a.num_table_rows, a.eps, x.stride(0), res.stride(0), branch.stride(0), gate.stride(0),
                  shift.stride(0), scale.stride(0)),
         grid=(ceil_div(a.rows, config.block_t) + warming,), num_warps=config.num_warps,
-        constexprs=specialisation(a.hidden, a.gate is not None, has_norm, a.weight is not None,
-                                  a.rounding, config, interpreting(), sum_order, has_affine))
+        constexprs=specialisation(a.hidden, a.gate is not None, a.has_norm, a.weight is not None,
+                                  a.rounding, config, interpreting(), sum_order, a.has_affine))
 
 
 def launch_modulation(a: ModulationArgs, u: torch.Tensor | None, y: torch.Tensor | None, wrap,

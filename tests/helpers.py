@@ -29,19 +29,24 @@ def sites_fused() -> int:
     return sum(counters["h3_fused"][kind.value] for kind in SiteKind)
 
 
+def _replacements_in(graph, mark: str) -> int:
+    """The replacements of a post-grad graph, by the ``mark`` every node of one carries (its value names it)."""
+    return len({n.meta[mark] for n in graph.nodes if mark in n.meta})
+
+
 def fused_sites_in(graph) -> int:
-    """The fused sites of a post-grad graph, by the mark every node of a replacement carries."""
+    """The fused sites of a post-grad graph."""
     from h3_fused.patterns.replacements import SITE_META
 
-    return len({n.meta[SITE_META] for n in graph.nodes if SITE_META in n.meta})
+    return _replacements_in(graph, SITE_META)
 
 
 def eager_norms_in(graph) -> int:
-    """The RMSNorms of a post-grad graph replaced by ``h3_fused::eager_rms_norm``, by the mark every node of a
-    replacement carries (on CUDA the op decomposes into its kernel's launch)."""
+    """The RMSNorms of a post-grad graph replaced by ``h3_fused::eager_rms_norm`` (on CUDA the op decomposes
+    into its kernel's launch, so its nodes are counted by their mark)."""
     from h3_fused.patterns.replacements import NORM_META
 
-    return len({n.meta[NORM_META] for n in graph.nodes if NORM_META in n.meta})
+    return _replacements_in(graph, NORM_META)
 
 
 PUBLIC_SPELLINGS = [  # spec section 2, one switch at a time, then all at once
