@@ -73,12 +73,14 @@ def regional_against_eager(model, latents, layout, policy="bf16"):
 
 
 @functools.cache
+@functools.cache
 def inductor_matches_eager_on_cpu() -> bool:
     """Whether this torch's Inductor, with ``emulate_precision_casts``, computes unfused bf16 ops (an
     RMSNorm, gathers, the affine) bit-identically to eager on the CPU: the premise of the tests that
-    compare a whole compiled graph with eager bit for bit. True on torch 2.13 and 2.14; on 2.12 the
-    C++ backend drops eager's intermediate bf16 roundings. Probed, not read from the version; call it
-    before a test compiles (it resets Dynamo)."""
+    compare a whole compiled graph with eager (or two compiled graphs with each other) bit for bit. True on
+    torch 2.13 and 2.14; on 2.11 and 2.12 the C++ backend drops eager's intermediate bf16 roundings. Probed
+    once a process, not read from the version (the session's first test probes it, conftest.py: the probe
+    resets Dynamo)."""
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(16, 64, generator=g).to(torch.bfloat16), torch.randn(64, generator=g).to(torch.bfloat16)
     table, idx = torch.randn(4, 64, generator=g).to(torch.bfloat16), torch.randint(0, 4, (16,), generator=g)

@@ -5,7 +5,7 @@ outside the sites: per-head q/k norms, plain norms, the native spelling; never i
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import bf16, eager_norms_in, fused_sites_in, sites_fused
+from helpers import assert_bf16_policy, bf16, eager_norms_in, fused_sites_in, sites_fused
 from torch import nn
 from torch._dynamo.utils import counters
 
@@ -58,7 +58,7 @@ def test_bf16_computes_every_norm_outside_the_sites_with_eagers_kernels():
                                     lambda graph: seen.append((fused_sites_in(graph), eager_norms_in(graph))))
     assert seen == [(1, 4)], "one site A; the q and k norms, the plain norm and the native one"
     assert counters["h3_fused"]["eager_rms_norm"] == 4 and sites_fused() == 1
-    assert torch.equal(got, expected)
+    assert_bf16_policy(got, expected)
 
 
 @pytest.mark.parametrize("options", [{"dtype_policy": "fp32"}, {"dtype_policy": "bf16", "eager_norms": False}],

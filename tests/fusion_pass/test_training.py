@@ -5,7 +5,7 @@ import h3_fused
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import assert_bf16_policy, sites_fused, tiny
+from helpers import assert_bf16_policy, inductor_matches_eager_on_cpu, sites_fused, tiny
 from torch._dynamo.utils import counters
 from torch.utils.checkpoint import checkpoint
 
@@ -118,7 +118,8 @@ class CheckpointedBlocks(torch.nn.Module):
 @pytest.mark.slow
 def test_activation_checkpointing_keeps_working_and_saves_less():
     """With each block under checkpoint, the compiled forward saves fewer tensors for the backward, and output and
-    gradients are those of the same model compiled without it, bit for bit."""
+    gradients are those of the same model compiled without it, bit for bit where Inductor keeps eager's
+    roundings on the CPU (else the two graphs' code rounds apart: held to the policy's bounds)."""
     model, latents, layout = tiny(inline_attention=True, num_blocks=2)
     saved, results = {}, {}
     for use in (False, True):
@@ -135,7 +136,11 @@ def test_activation_checkpointing_keeps_working_and_saves_less():
         saved[use] = outputs[0]  # the forward graph's outputs: the result and what it saves for the backward
         assert counters["h3_fused"]["gate_norm_modulate"] >= 3
     (plain, plain_grads), (got, grads) = results[False], results[True]
-    assert torch.equal(got, plain) and all(torch.equal(grads[k], plain_grads[k]) for k in grads)
+    if inductor_matches_eager_on_cpu():
+        assert torch.equal(got, plain) and all(torch.equal(grads[k], plain_grads[k]) for k in grads)
+    else:
+        assert_bf16_policy(got, plain)
+        assert_gradients_close(grads, plain_grads)
     assert saved[True] < saved[False], saved
 
 

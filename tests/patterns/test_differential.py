@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 from h3_fused.patterns import SiteKind
+from helpers import inductor_matches_eager_on_cpu
 from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 from minimax_h3 import Spellings, modulate_gate, modulate_scale_shift
@@ -142,7 +143,7 @@ def test_pass_never_changes_what_the_model_computes_beyond_its_policy(case):
         eager = fn(*args)
         got = torch.compile(fn, backend="h3_fused", dynamic=case.dynamic, options={"dtype_policy": case.policy})(*args)
         fused = sum(counters["h3_fused"][kind.value] for kind in SiteKind)
-        exact = case.policy != "fp32" and all_fused
+        exact = case.policy != "fp32" and all_fused and inductor_matches_eager_on_cpu()
         if exact:  # on the CPU Inductor compiles the sites' reference ops (eager's operations)
             torch._dynamo.reset()
             inductor = torch.compile(fn, dynamic=case.dynamic, options={"emulate_precision_casts": True})(*args)
