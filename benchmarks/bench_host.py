@@ -2,6 +2,7 @@
 
     python benchmarks/bench_host.py [--sites A B C] [--tokens 3072] [--calls 300] [--rounds 7] [--profile WAY ...]
         [--out benchmarks/results/host.json]
+    python benchmarks/bench_host.py --device cpu --tokens 16 --out benchmarks/results/host_cpu.json
 
 For each site: the microseconds of host time per call, ``--calls`` calls back to back with one
 synchronisation at the end (a call that outruns the GPU queues work, so this is the host's rate, not
@@ -15,6 +16,11 @@ out per call), Triton's launcher alone (``triton_launch``: the launch worked out
 per call; what a direct call is measured against) and the op inside a compiled graph (``in_graph``); then the ``cProfile`` of the calls of
 each way named in ``--profile``, the functions with the most own time first. One row per site and way in
 ``--out`` (overwritten).
+
+On the CPU (``--device cpu``, the CI machine) there is no kernel to launch: a direct call runs the op's
+pure-torch reference, so the ways are the public function, the op through the dispatcher, the argument
+checks alone and the reference's computation alone (``reference``, on arguments checked once): what a
+direct call spends besides its computation is the first minus the last.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import json
+import platform
 import pstats
 import sys
 import time
@@ -29,9 +36,11 @@ import time
 import torch
 from h3_fused.kernels.arguments import check_args
 from h3_fused.kernels.launch import plan_launch
+from h3_fused.kernels.reference import reference_modulation
 from sites import fused_site, kernel_launch, make_inputs
 
-WAYS = ["public_op", "dispatched_op", "check_args", "bare_launch", "triton_launch", "in_graph"]
+WAYS = {"cuda": ["public_op", "dispatched_op", "check_args", "bare_launch", "triton_launch", "in_graph"],
+        "cpu": ["public_op", "dispatched_op", "check_args", "reference"]}
 
 
 def triton_launch(site: str, inputs: dict, outputs):
@@ -42,15 +51,20 @@ def triton_launch(site: str, inputs: dict, outputs):
     return lambda: launch(tensors, *outputs, lambda kernel: kernel)
 
 
-def host_us_per_call(call, calls: int) -> float:
+def synchronize(device: str):
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def host_us_per_call(call, calls: int, device: str) -> float:
     for _ in range(10):
         call()
-    torch.cuda.synchronize()
+    synchronize(device)
     start = time.perf_counter()
     for _ in range(calls):
         call()
     host = time.perf_counter() - start
-    torch.cuda.synchronize()
+    synchronize(device)
     return host / calls * 1e6
 
 
@@ -60,39 +74,50 @@ def main():
     parser.add_argument("--tokens", type=int, default=3072)
     parser.add_argument("--calls", type=int, default=300)
     parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--profile", nargs="*", default=["public_op", "in_graph"],
-                        choices=WAYS)
+    parser.add_argument("--device", default="cuda", choices=sorted(WAYS))
+    parser.add_argument("--profile", nargs="*", default=None, choices=WAYS["cuda"] + WAYS["cpu"],
+                        help="default: public_op, and in_graph on CUDA")
     parser.add_argument("--profile-lines", type=int, default=25)
     parser.add_argument("--out", default="benchmarks/results/host.json")
     args = parser.parse_args()
+    profiled = args.profile if args.profile is not None else ["public_op"] + ["in_graph"] * (args.device == "cuda")
+    if set(profiled) - set(WAYS[args.device]):
+        parser.error(f"--profile: on {args.device} the ways are {WAYS[args.device]}")
     rows = []
     for site in args.sites:
-        inputs = make_inputs(site, args.tokens)
+        inputs = make_inputs(site, args.tokens, device=args.device)
         op = fused_site(site, "bf16")
-        compiled = torch.compile(fused_site(site, "bf16"))
         dispatched = fused_site(site, "bf16", dispatcher=True)
-        bare = kernel_launch(site, inputs, "bf16")
         ways = {"public_op": lambda: op(**inputs), "dispatched_op": lambda: dispatched(**inputs),
-                "check_args": lambda: check_args(**inputs, policy="bf16", has_norm=site != "C"),
-                "bare_launch": bare, "triton_launch": triton_launch(site, inputs, bare.outputs),
-                "in_graph": lambda: compiled(**inputs)}
-        rounds = [{name: host_us_per_call(call, args.calls) for name, call in ways.items()} for _ in range(args.rounds)]
+                "check_args": lambda: check_args(**inputs, policy="bf16", has_norm=site != "C")}
+        if args.device == "cuda":
+            compiled = torch.compile(fused_site(site, "bf16"))
+            bare = kernel_launch(site, inputs, "bf16")
+            ways |= {"bare_launch": bare, "triton_launch": triton_launch(site, inputs, bare.outputs),
+                     "in_graph": lambda: compiled(**inputs)}
+        else:
+            checked = check_args(**inputs, policy="bf16", has_norm=site != "C")
+            ways["reference"] = lambda: reference_modulation(checked)
+        rounds = [{name: host_us_per_call(call, args.calls, args.device) for name, call in ways.items()}
+                  for _ in range(args.rounds)]
         times = {name: min(r[name] for r in rounds) for name in ways}
         rows += [dict(site=site, tokens=args.tokens, way=name, us_per_call=us, rounds=args.rounds)
                  for name, us in times.items()]
         print(f"{site} T={args.tokens}: " + "  ".join(f"{name} {us:6.1f} us" for name, us in times.items()),
               flush=True)
-        for name in args.profile:
+        for name in profiled:
             print(f"{site} T={args.tokens}, {name}:")
             profile = cProfile.Profile()
             profile.enable()
             for _ in range(args.calls):
                 ways[name]()
             profile.disable()
-            torch.cuda.synchronize()
+            synchronize(args.device)
             pstats.Stats(profile, stream=sys.stdout).sort_stats("tottime").print_stats(args.profile_lines)
     with open(args.out, "w") as f:
-        json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows), f, indent=1)
+        device = (torch.cuda.get_device_name() if args.device == "cuda"
+                  else f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)")
+        json.dump(dict(device=device, torch=torch.__version__, rows=rows), f, indent=1)
 
 
 if __name__ == "__main__":
