@@ -73,7 +73,6 @@ def regional_against_eager(model, latents, layout, policy="bf16"):
 
 
 @functools.cache
-@functools.cache
 def inductor_matches_eager_on_cpu() -> bool:
     """Whether this torch's Inductor, with ``emulate_precision_casts``, computes unfused bf16 ops (an
     RMSNorm, gathers, the affine) bit-identically to eager on the CPU: the premise of the tests that
