@@ -43,9 +43,9 @@ WAYS = {"cuda": ["public_op", "dispatched_op", "check_args", "bare_launch", "tri
         "cpu": ["public_op", "dispatched_op", "check_args", "reference"]}
 
 
-def triton_launch(site: str, inputs: dict, outputs):
-    """A call of Triton's launcher alone: the launch of ``inputs`` into ``outputs`` worked out once."""
-    a = check_args(**inputs, policy="bf16", has_norm=site != "C")
+def triton_launch(a, outputs):
+    """A call of Triton's launcher alone: the launch of the checked arguments ``a`` into ``outputs`` worked out
+    once."""
     launch = plan_launch(a)
     tensors = tuple(getattr(a, name) for name in launch.slots)
     return lambda: launch(tensors, *outputs, lambda kernel: kernel)
@@ -88,15 +88,16 @@ def main():
         inputs = make_inputs(site, args.tokens, device=args.device)
         op = fused_site(site, "bf16")
         dispatched = fused_site(site, "bf16", dispatcher=True)
+        checks = {"policy": "bf16", "has_norm": site != "C"}
+        checked = check_args(**inputs, **checks)
         ways = {"public_op": lambda: op(**inputs), "dispatched_op": lambda: dispatched(**inputs),
-                "check_args": lambda: check_args(**inputs, policy="bf16", has_norm=site != "C")}
+                "check_args": lambda: check_args(**inputs, **checks)}
         if args.device == "cuda":
             compiled = torch.compile(fused_site(site, "bf16"))
             bare = kernel_launch(site, inputs, "bf16")
-            ways |= {"bare_launch": bare, "triton_launch": triton_launch(site, inputs, bare.outputs),
+            ways |= {"bare_launch": bare, "triton_launch": triton_launch(checked, bare.outputs),
                      "in_graph": lambda: compiled(**inputs)}
         else:
-            checked = check_args(**inputs, policy="bf16", has_norm=site != "C")
             ways["reference"] = lambda: reference_modulation(checked)
         rounds = [{name: host_us_per_call(call, args.calls, args.device) for name, call in ways.items()}
                   for _ in range(args.rounds)]

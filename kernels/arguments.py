@@ -84,6 +84,11 @@ class ModulationArgs:
         return self.index.numel() if self.index is not None else self.x.shape[0]
 
     @property
+    def static_rows(self) -> int | None:
+        """The row count, or None where it is symbolic (a graph compiled for dynamic shapes)."""
+        return self.rows if isinstance(self.rows, int) else None
+
+    @property
     def hidden(self) -> int:
         return self.out_shape[-1]
 

@@ -63,8 +63,7 @@ def kernel_args(x: Tensor, weight: Tensor | None, eps: float, rounds_before_weig
         return None
     a = check_args(x=x, weight=weight, eps=eps, policy="bf16", norm_rounds_before_weight=rounds_before_weight,
                    has_norm=True)
-    rows = a.rows if isinstance(a.rows, int) else None
-    return a if norm_sum_order(a.rounding, a.hidden, True, rows) else None
+    return a if norm_sum_order(a.rounding, a.hidden, True, a.static_rows) else None
 
 
 @triton_op("h3_fused::eager_rms_norm", mutates_args=())

@@ -249,7 +249,7 @@ def no_launch_hooks() -> bool:
 
 def plan_launch(a: ModulationArgs, config: LaunchConfig | None = None) -> KernelLaunch:
     """The launch of ``modulation_kernel`` for ``a`` with ``config`` (default: ``launch_config``'s)."""
-    rows = a.rows if isinstance(a.rows, int) else None
+    rows = a.static_rows
     sum_order = norm_sum_order(a.rounding, a.hidden, a.has_norm, rows)
     if config is None:
         config = launch_config(a.hidden, a.gate is not None, a.has_norm, rows, sum_order, a.has_affine)
