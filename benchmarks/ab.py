@@ -1,7 +1,7 @@
 """A/B harness: forward-kernel variants timed side by side in one process, and whether their outputs agree.
 
     python benchmarks/ab.py --cases A:3072 A:15808 B:15808 [--policies bf16 fp32]
-        [--configs shipped w8 w4_preload ...] [--baseline DIR] [--no-index-check] [--native]
+        [--configs shipped w8 w4_preload ...] [--baseline DIR] [--no-index-check] [--native] [--free-order]
         [--index uniform runs] [--hidden 5376] [--rounds 7] [--flush write|read]
 
 Every variant of a case writes into the same output buffers (``sites.kernel_launch``) and is timed with
@@ -10,7 +10,9 @@ and its difference to the first. Variants: the launch configurations named in ``
 with ``--baseline DIR``, the shipped configuration of another commit's kernel (``DIR`` holds that commit's
 ``kernels/`` files: ``git archive REV kernels | tar -x --strip-components=1 -C DIR``); with
 ``--no-index-check``, the shipped configuration built without the device-side index assertion. ``--native``:
-the sites' norm in the native spelling (``norm_rounds_before_weight``; under ``bf16`` its own sum order). Results:
+the sites' norm in the native spelling (``norm_rounds_before_weight``; under ``bf16`` its own sum order).
+``--free-order``: the shipped kernel with the norm's squares added in its own order (the cost of an eager
+kernel's order: ``--native --free-order`` for the mean's). Results:
 ``benchmarks/results/ab.json`` (overwritten).
 """
 
@@ -50,7 +52,7 @@ def configurations(site: str, tokens: int, hidden: int, policy: str, native: boo
     return named
 
 
-def variants(site, inputs, policy, names, configs, baseline, no_index_check, outputs=None):
+def variants(site, inputs, policy, names, configs, baseline, no_index_check, free_order, outputs=None):
     """The calls to time, all writing into one set of outputs: ``{name: call}``."""
     runs = {}
     for name in names:
@@ -60,6 +62,8 @@ def variants(site, inputs, policy, names, configs, baseline, no_index_check, out
         runs["baseline"] = kernel_launch(site, inputs, policy, kernel_module=baseline, outputs=outputs)
     if no_index_check:
         runs["no_index_check"] = kernel_launch(site, inputs, policy, LaunchOptions(debug=False), outputs=outputs)
+    if free_order:
+        runs["free_order"] = kernel_launch(site, inputs, policy, outputs=outputs, free_sum_order=True)
     return runs, outputs
 
 
@@ -71,6 +75,7 @@ def main():
     parser.add_argument("--baseline", help="a folder with another commit's kernels/ files")
     parser.add_argument("--no-index-check", action="store_true")
     parser.add_argument("--native", action="store_true", help="the native RMSNorm spelling at sites A and B")
+    parser.add_argument("--free-order", action="store_true", help="also the norm's sum in the kernel's own order")
     parser.add_argument("--index", nargs="+", default=["uniform"], choices=INDEX_LAYOUTS)
     parser.add_argument("--hidden", type=int, default=5376)
     parser.add_argument("--rounds", type=int, default=7)
@@ -91,7 +96,8 @@ def main():
             unknown = set(args.configs) - set(configs)
             if unknown:
                 parser.error(f"unknown configurations {sorted(unknown)}; known: {sorted(configs)}")
-            runs, outputs = variants(site, inputs, policy, args.configs, configs, baseline, args.no_index_check)
+            runs, outputs = variants(site, inputs, policy, args.configs, configs, baseline, args.no_index_check,
+                                    args.free_order)
             agree = calls_agree(list(runs.values()), outputs)
             medians = alternating_medians(runs, args.rounds, args.flush)
             print(f"{site} H={args.hidden} T={tokens:6d} {layout:7s} {policy}: "

@@ -9,6 +9,7 @@ configuration or build.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import sys
 
@@ -85,13 +86,15 @@ def fused_site(site: str, policy: str, *, dispatcher: bool = False):
 
 
 def kernel_launch(site: str, inputs: dict, policy: str, wrap=lambda kernel: kernel, kernel_module=None,
-                  outputs=None, config=None):
+                  outputs=None, config=None, free_sum_order=False):
     """A call that launches the fused kernel alone on ``inputs`` (arguments checked once, outputs
     allocated once; no op dispatch) and returns what the launch returns (the compiled kernel); the call's
     ``outputs`` attribute holds ``(u, y)`` (None where the site has no such output). ``config``: a
     ``LaunchConfig`` to launch with instead of the shipped one. ``kernel_module``: another version of
     ``h3_fused.kernels.launch`` to launch instead (``load_kernel_module``). ``outputs``: the ``outputs`` of
-    another call on inputs of the same shapes, to write into instead of allocating. Calls timed side by
+    another call on inputs of the same shapes, to write into instead of allocating. ``free_sum_order``: the
+    norm's squares added in the kernel's own order, not an eager kernel's (the policy's other roundings kept),
+    with the configuration ``launch_config`` picks for that. Calls timed side by
     side share them: with outputs of their own, identical kernels differed by up to 1.7%, the same way in
     every run, by where their outputs lay (docs/BENCHMARKS.md, "Method")."""
     from h3_fused.kernels import launch as shipped
@@ -100,6 +103,8 @@ def kernel_launch(site: str, inputs: dict, policy: str, wrap=lambda kernel: kern
     launch_modulation = (kernel_module or shipped).launch_modulation
 
     a = check_args(**inputs, policy=policy, has_norm=site != "C")
+    if free_sum_order:
+        a = dataclasses.replace(a, rounding=dataclasses.replace(a.rounding, norm_sum_order=None))
     if outputs is None:
         outputs = tuple(torch.empty(a.out_shape, dtype=a.dtype, device=a.device) if wanted else None
                         for wanted in (site != "A", site != "C"))

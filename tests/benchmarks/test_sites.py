@@ -3,6 +3,8 @@ Triton's interpreter (``TRITON_INTERPRET=1 pytest -m interpreted``)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from hand_fused import hand_fused_site
@@ -40,3 +42,21 @@ def test_the_hand_fused_baseline_computes_each_site_under_both_policies(site, po
 def test_the_hand_fused_baseline_refuses_other_policies():
     with pytest.raises(ValueError, match="policy"):
         hand_fused_site("A", "auto")
+
+
+@pytest.mark.parametrize("native", [False, True], ids=["nn_rms_norm", "native"])
+def test_a_free_sum_order_launch_keeps_the_policy_but_adds_the_squares_in_the_kernels_order(native, monkeypatch):
+    from h3_fused.kernels import launch as launch_module
+
+    launched = []
+    real_launch = launch_module.launch_modulation
+    monkeypatch.setattr(launch_module, "launch_modulation",
+                        lambda a, *rest: launched.append(a) or real_launch(a, *rest))
+    inputs = dict(make_inputs("A", 20, 128, device="cpu"), norm_rounds_before_weight=native)
+    eager_order, free_order = (kernel_launch("A", inputs, "bf16", free_sum_order=free) for free in (False, True))
+    eager_order(), free_order()
+    assert [a.rounding.norm_sum_order for a in launched] == ["mean" if native else "fused_rms_norm", None]
+    assert dataclasses.replace(launched[1].rounding, norm_sum_order=launched[0].rounding.norm_sum_order) == \
+        launched[0].rounding, "the policy's other roundings are kept"
+    # the same values but for the last place the sum's order moves
+    torch.testing.assert_close(free_order.outputs[1].float(), eager_order.outputs[1].float(), rtol=2 ** -7, atol=0)
