@@ -48,9 +48,13 @@ def check_table(name: str, t: object, hidden: int) -> torch.Tensor:
 
 def check_index_on_host(index: torch.Tensor, num_table_rows: int) -> None:
     """Raise ``IndexError`` naming the first entry of ``index`` outside ``[0, num_table_rows)`` (where the kernel
-    cannot raise: under the interpreter, and before the reference's gathers, whose error names no row)."""
-    bad = (index < 0) | (index >= num_table_rows)
-    if bool(bad.any()):
+    cannot raise: under the interpreter, and before the reference's gathers, whose error names no row). The
+    bounds come from one reduction; the entry is looked for only where they fail."""
+    if index.numel() == 0:
+        return
+    low, high = torch.aminmax(index)
+    if low.item() < 0 or high.item() >= num_table_rows:
+        bad = (index < 0) | (index >= num_table_rows)
         first = int(bad.nonzero()[0, 0])
         raise IndexError(f"index out of range: index[{first}] = {int(index[first])} is not in [0, {num_table_rows})")
 
