@@ -14,7 +14,9 @@ INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 def pytest_collection_modifyitems(config, items):
     """GPU tests need a CUDA device; interpreted tests need ``TRITON_INTERPRET=1`` and a session of their own
-    (the variable makes every op on CPU tensors launch the interpreted kernel)."""
+    (the variable makes every op on CPU tensors launch the interpreted kernel). The ``slow`` tests run first, so
+    that pytest-xdist hands the longest ones out before the short ones and the workers finish together."""
+    items.sort(key=lambda item: "slow" not in item.keywords)  # stable: collection order otherwise
     skips = {
         "gpu": None if torch.cuda.is_available() else "needs a CUDA device",
         "interpreted": None if INTERPRETING else "needs TRITON_INTERPRET=1 (TRITON_INTERPRET=1 pytest -m interpreted)",
