@@ -17,8 +17,8 @@ KEYS = {"client", "kind", "hidden", "tokens", "blocks", "mode", "variant", "poli
 def test_exactness_writes_a_row_per_case_a_trajectory_row_and_a_block_row_per_variant(tmp_path):
     out = tmp_path / "exactness.json"
     run = subprocess.run([sys.executable, str(SCRIPT), "--clients", "stand-in", "--modes", "regional", "whole",
-                          "--steps", "2", "--locate-depth", "1", "--out", str(out)], capture_output=True, text=True, timeout=600,
-                         cwd=tmp_path)
+                          "--steps", "2", "--locate-depth", "1", "--out", str(out)],
+                         capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-2000:]
     rows = json.loads(out.read_text())["rows"]
     forward = [r for r in rows if r["kind"] == "forward"]
