@@ -24,7 +24,8 @@ FEWEST_ROWS = 1024  # up to this many rows site A runs on 8 warps
 FEW_ROWS = 6144  # up to this many rows site B runs on 8 warps
 SITE_A_NARROW_H = 2048  # up to this H site A preloads its table chunks only up to SITE_A_FEW_ROWS rows
 SITE_A_FEW_ROWS = 16384
-MIN_WARPS = 4  # the fewest warps a program runs on
+MIN_WARPS = 4  # the fewest warps a program runs on (but in the mean's order, MEAN_ORDER_WARPS)
+MEAN_ORDER_WARPS = 2  # a program's warps where the squares add in the mean's order: one row on 64 threads
 SUM_ORDERS = {None: 0, "fused_rms_norm": 1, "mean": 2}  # contract.Rounding.norm_sum_order -> NORM_SUM_ORDER
 MEAN_ORDER_MIN_ROWS = 16  # from this many rows torch's mean gives a row one warp (the order reproduced)
 MEAN_ORDER_MIN_H = 128  # the narrowest row whose mean's order was measured (its input read in vectors)
@@ -91,15 +92,19 @@ def launch_config(hidden: int, has_gate: bool, has_norm: bool, rows: int | None,
 
     Where the norm's squares add in an eager kernel's order (``sum_order``, see ``norm_sum_order``), 4 warps and
     chunks of ``sum_order_chunk`` columns: one 4-element vector a thread, the vector eager's thread of the same
-    number reads, so that the order costs no exchange between threads; for the mean's order one warp a row
-    (``block_t`` rows of such chunks fill the 4 warps).
+    number reads, so that the order costs no exchange between threads. For the mean's order one row a program
+    on ``MEAN_ORDER_WARPS`` warps, in chunks of one vector per lane of eager's warp (128 columns: 2 a thread),
+    with no warming programs first; the lanes' sums meet in the final tree, whose adds are eager's whichever
+    thread holds them. (One warp a row, eager's lane a thread, holds 4 times the registers; 4 warps a row
+    hold half the columns a thread but gain less: docs/DESIGN.md.)
 
     - Warps: 8 for site C, for site B up to ``FEW_ROWS`` rows and for site A up to ``FEWEST_ROWS`` rows;
       4 beyond, where more programs resident per SM win; never fewer than ``MIN_WARPS``.
     - ``preload_table_chunks``: site B always; site A from H = 2,049 on, and up to ``SITE_A_NARROW_H`` for up
       to ``SITE_A_FEW_ROWS`` rows (beyond, the extra registers cost more than the early loads gain).
     - ``warm_rows_ahead``: ``WARM_ROWS_AHEAD`` rows for sites A and B.
-    - ``warm_tables_first``: site A (B gains nothing from it, C loses).
+    - ``warm_tables_first``: site A but in the mean's order (B gains nothing from it, C loses; the mean's
+      order was measured without it).
 
     A plain RMSNorm (``has_norm`` without ``has_affine``) reads no tables: it runs as site A with nothing
     preloaded or warmed (the kernel warms table rows ahead only for a site with an affine).
@@ -122,10 +127,11 @@ def launch_config(hidden: int, has_gate: bool, has_norm: bool, rows: int | None,
     if sum_order:
         num_warps, chunk = MIN_WARPS, sum_order_chunk(hidden, sum_order)
         if sum_order == 2:
-            block_t = 32 * MIN_WARPS * 4 // chunk
+            block_t, num_warps = 1, MEAN_ORDER_WARPS
     tables = has_norm and has_affine
     preload = tables and (has_gate or hidden > SITE_A_NARROW_H or at_most(SITE_A_FEW_ROWS))
-    return LaunchConfig(block_t, chunk, num_warps, preload, warm_tables_first=tables and not has_gate)
+    warm_first = tables and not has_gate and sum_order != 2
+    return LaunchConfig(block_t, chunk, num_warps, preload, warm_tables_first=warm_first)
 
 
 def ceil_div(a, b):

@@ -50,15 +50,15 @@ def test_launch_config_never_runs_on_fewer_than_min_warps(hidden, site, rows):
 def test_eager_sum_orders_take_chunks_of_one_vector_per_eager_thread(hidden, site, rows):
     """Where the norm's squares add in the fused RMSNorm's order, chunks of 512 columns (its 128 threads x 4) on
     4 warps, or the whole padded row where it is shorter, the rows per program as without it; in the mean's
-    order, chunks of one vector per lane of a warp (at most 32 lanes), as many rows as fill 4 warps."""
-    from h3_fused.kernels.launch import MIN_WARPS, launch_config
+    order, chunks of one vector per lane of a warp (at most 32 lanes), one row a program on 2 warps."""
+    from h3_fused.kernels.launch import MEAN_ORDER_WARPS, MIN_WARPS, launch_config
 
     fused, other = launch_config(hidden, *site, rows, sum_order=1), launch_config(hidden, *site, rows)
     assert (fused.chunk, fused.num_warps, fused.block_t) == (min(512, 1 << (hidden - 1).bit_length()), MIN_WARPS,
                                                              other.block_t)
     mean = launch_config(hidden, *site, rows, sum_order=2)
     lanes = min(32, 1 << ((hidden // 4).bit_length() - 1))
-    assert (mean.chunk, mean.num_warps, mean.block_t * mean.chunk) == (4 * lanes, MIN_WARPS, 4 * 32 * MIN_WARPS)
+    assert (mean.chunk, mean.num_warps, mean.block_t, mean.warm_tables_first) == (4 * lanes, MEAN_ORDER_WARPS, 1, False)
 
 
 @pytest.mark.parametrize("policy, native, hidden, rows, order", [
