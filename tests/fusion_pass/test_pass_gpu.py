@@ -106,7 +106,7 @@ def test_kernels_per_block():
     assert len(fused) == 2 * 2 + 2 + 2 * 2
 
 
-@pytest.mark.xdist_group("large_memory")
+@pytest.mark.large_memory
 @pytest.mark.parametrize("policy", ["bf16", "fp32"])
 def test_real_size_blocks_train_with_the_fused_backward(policy):
     """Two real-size blocks compiled regionally, forward and backward: every site fused, no table gradient left to

@@ -32,7 +32,7 @@ def relative_error(got, exact) -> float:
     return ((got.double() - exact).norm() / exact.norm()).item()
 
 
-@pytest.mark.xdist_group("large_memory")
+@pytest.mark.large_memory
 @pytest.mark.parametrize("tokens", [1, 3072, 15808, 63232])
 @pytest.mark.parametrize("site", ["A", "B", "C"])
 def test_gradients_at_real_size_are_as_close_to_fp64_as_eagers_and_tables_closer(site, tokens):
@@ -68,7 +68,7 @@ def test_gradients_are_the_same_bits_on_every_run(site, policy):
     assert all(torch.equal(first[k], second[k]) for k in first)
 
 
-@pytest.mark.xdist_group("large_memory")
+@pytest.mark.large_memory
 @pytest.mark.parametrize("site", ["A", "B"])
 def test_fp32_policy_gradients_are_at_least_as_close_to_fp64(site):
     inputs = make_inputs(site, 15808, seed=3)

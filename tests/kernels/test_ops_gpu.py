@@ -215,7 +215,7 @@ def test_opcheck_on_cuda():
                           tuple(c[k] for k in ("residual", "gate", "branch", "index")), dict(policy="bf16"))
 
 
-@pytest.mark.xdist_group("large_memory")
+@pytest.mark.large_memory
 def test_64_bit_offsets_past_2_to_the_31_elements():
     tokens = (2**31) // 5376 + 64  # T x H >= 2^31 elements per activation tensor
     inputs = make_inputs("C", tokens)
