@@ -99,11 +99,11 @@ def launch_config(hidden: int, has_gate: bool, has_norm: bool, rows: int | None,
     hold half the columns a thread but gain less: docs/DESIGN.md.)
 
     - Warps: 8 for site C, for site B up to ``FEW_ROWS`` rows and for site A up to ``FEWEST_ROWS`` rows;
-      4 beyond, where more programs resident per SM win; never fewer than ``MIN_WARPS``.
+      4 beyond, where more programs resident per SM win; never fewer than ``MIN_WARPS`` (the mean's order: above).
     - ``preload_table_chunks``: site B always; site A from H = 2,049 on, and up to ``SITE_A_NARROW_H`` for up
       to ``SITE_A_FEW_ROWS`` rows (beyond, the extra registers cost more than the early loads gain).
     - ``warm_rows_ahead``: ``WARM_ROWS_AHEAD`` rows for sites A and B.
-    - ``warm_tables_first``: site A but in the mean's order (B gains nothing from it, C loses; the mean's
+    - ``warm_tables_first``: site A, except in the mean's order (B gains nothing from it, C loses; the mean's
       order was measured without it).
 
     A plain RMSNorm (``has_norm`` without ``has_affine``) reads no tables: it runs as site A with nothing
