@@ -58,7 +58,8 @@ def test_eager_sum_orders_take_chunks_of_one_vector_per_eager_thread(hidden, sit
                                                              other.block_t)
     mean = launch_config(hidden, *site, rows, sum_order=2)
     lanes = min(32, 1 << ((hidden // 4).bit_length() - 1))
-    assert (mean.chunk, mean.num_warps, mean.block_t, mean.warm_tables_first) == (4 * lanes, MEAN_ORDER_WARPS, 1, False)
+    assert (mean.chunk, mean.num_warps, mean.block_t, mean.warm_tables_first) == (
+        4 * lanes, MEAN_ORDER_WARPS, 1, False)
 
 
 @pytest.mark.parametrize("policy, native, hidden, rows, order", [
