@@ -93,9 +93,8 @@ def launch_config(hidden: int, has_gate: bool, has_norm: bool, rows: int | None,
     Where the norm's squares add in an eager kernel's order (``sum_order``, see ``norm_sum_order``), 4 warps and
     chunks of ``sum_order_chunk`` columns: one 4-element vector a thread, the vector eager's thread of the same
     number reads, so that the order costs no exchange between threads. For the mean's order one row a program
-    on ``MEAN_ORDER_WARPS`` warps, in chunks of one vector per lane of eager's warp (128 columns: 2 a thread),
-    with no warming programs first; the lanes' sums meet in the final tree, whose adds are eager's whichever
-    thread holds them. (One warp a row, eager's lane a thread, holds 4 times the registers; 4 warps a row
+    on ``MEAN_ORDER_WARPS`` warps, in chunks of one vector per lane of eager's warp (128 columns: 2 a thread);
+    the lanes' sums meet in the final tree, whose adds are eager's whichever thread holds them. (One warp a row, eager's lane a thread, holds 4 times the registers; 4 warps a row
     hold half the columns a thread but gain less: docs/DESIGN.md.)
 
     - Warps: 8 for site C, for site B up to ``FEW_ROWS`` rows and for site A up to ``FEWEST_ROWS`` rows;
@@ -103,8 +102,7 @@ def launch_config(hidden: int, has_gate: bool, has_norm: bool, rows: int | None,
     - ``preload_table_chunks``: site B always; site A from H = 2,049 on, and up to ``SITE_A_NARROW_H`` for up
       to ``SITE_A_FEW_ROWS`` rows (beyond, the extra registers cost more than the early loads gain).
     - ``warm_rows_ahead``: ``WARM_ROWS_AHEAD`` rows for sites A and B.
-    - ``warm_tables_first``: site A, except in the mean's order (B gains nothing from it, C loses; the mean's
-      order was measured without it).
+    - ``warm_tables_first``: site A (B gains nothing from it, C loses), in every sum order.
 
     A plain RMSNorm (``has_norm`` without ``has_affine``) reads no tables: it runs as site A with nothing
     preloaded or warmed (the kernel warms table rows ahead only for a site with an affine).
@@ -130,7 +128,7 @@ def launch_config(hidden: int, has_gate: bool, has_norm: bool, rows: int | None,
             block_t, num_warps = 1, MEAN_ORDER_WARPS
     tables = has_norm and has_affine
     preload = tables and (has_gate or hidden > SITE_A_NARROW_H or at_most(SITE_A_FEW_ROWS))
-    warm_first = tables and not has_gate and sum_order != 2
+    warm_first = tables and not has_gate
     return LaunchConfig(block_t, chunk, num_warps, preload, warm_tables_first=warm_first)
 
 

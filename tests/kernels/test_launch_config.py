@@ -50,7 +50,8 @@ def test_launch_config_never_runs_on_fewer_than_min_warps(hidden, site, rows):
 def test_eager_sum_orders_take_chunks_of_one_vector_per_eager_thread(hidden, site, rows):
     """Where the norm's squares add in the fused RMSNorm's order, chunks of 512 columns (its 128 threads x 4) on
     4 warps, or the whole padded row where it is shorter, the rows per program as without it; in the mean's
-    order, chunks of one vector per lane of a warp (at most 32 lanes), one row a program on 2 warps."""
+    order, chunks of one vector per lane of a warp (at most 32 lanes), one row a program on 2 warps; site A's
+    tables warmed as the kernel starts in every order."""
     from h3_fused.kernels.launch import MEAN_ORDER_WARPS, MIN_WARPS, launch_config
 
     fused, other = launch_config(hidden, *site, rows, sum_order=1), launch_config(hidden, *site, rows)
@@ -59,7 +60,7 @@ def test_eager_sum_orders_take_chunks_of_one_vector_per_eager_thread(hidden, sit
     mean = launch_config(hidden, *site, rows, sum_order=2)
     lanes = min(32, 1 << ((hidden // 4).bit_length() - 1))
     assert (mean.chunk, mean.num_warps, mean.block_t, mean.warm_tables_first) == (
-        4 * lanes, MEAN_ORDER_WARPS, 1, False)
+        4 * lanes, MEAN_ORDER_WARPS, 1, other.warm_tables_first)
 
 
 @pytest.mark.parametrize("policy, native, hidden, rows, order", [
