@@ -94,8 +94,9 @@ def launch_config(hidden: int, has_gate: bool, has_norm: bool, rows: int | None,
     chunks of ``sum_order_chunk`` columns: one 4-element vector a thread, the vector eager's thread of the same
     number reads, so that the order costs no exchange between threads. For the mean's order one row a program
     on ``MEAN_ORDER_WARPS`` warps, in chunks of one vector per lane of eager's warp (128 columns: 2 a thread);
-    the lanes' sums meet in the final tree, whose adds are eager's whichever thread holds them. (One warp a row, eager's lane a thread, holds 4 times the registers; 4 warps a row
-    hold half the columns a thread but gain less: docs/DESIGN.md.)
+    the lanes' sums meet in the final tree, whose adds are eager's whichever thread holds them. (One warp a
+    row, eager's lane a thread, holds 4 times the registers; 4 warps a row hold half the columns a thread but
+    gain less: docs/DESIGN.md.)
 
     - Warps: 8 for site C, for site B up to ``FEW_ROWS`` rows and for site A up to ``FEWEST_ROWS`` rows;
       4 beyond, where more programs resident per SM win; never fewer than ``MIN_WARPS`` (the mean's order: above).
