@@ -4,7 +4,7 @@
         [--configs shipped w8 w4_preload ...] [--baseline DIR] [--no-index-check] [--native] [--free-order]
         [--index uniform runs] [--hidden 5376] [--rounds 7] [--flush write|read]
 
-Every variant of a case writes into the same output buffers (``sites.kernel_launch``) and is timed with
+Every variant of a case writes into the same output buffers (``h3_fused.kernels.testing.kernel_launch``) and is timed with
 ``timing.graph_ms`` in alternating rounds; the line printed per case and policy gives each variant's median
 and its difference to the first. Variants: the launch configurations named in ``--configs`` (``CONFIGS``);
 with ``--baseline DIR``, the shipped configuration of another commit's kernel (``DIR`` holds that commit's
@@ -22,16 +22,14 @@ import argparse
 import dataclasses
 import itertools
 
-from sites import (
+from h3_fused.kernels.testing import (
     INDEX_LAYOUTS,
-    LaunchOptions,
-    calls_agree,
     kernel_launch,
-    load_kernel_module,
     make_inputs,
     shipped_launch_config,
     shipped_sum_order,
 )
+from harness import LaunchOptions, calls_agree, load_kernel_module
 from timing import alternating_medians, relative_times, write_results
 
 

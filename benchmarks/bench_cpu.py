@@ -2,7 +2,7 @@
 
     python benchmarks/bench_cpu.py                   # -> benchmarks/results/cpu.json
 
-Each site's eager function (``sites.eager_site``) at T = 16,384 rows, H = 1,024, bf16: eager, Inductor,
+Each site's eager function (``testing.eager_site``) at T = 16,384 rows, H = 1,024, bf16: eager, Inductor,
 Inductor with ``emulate_precision_casts``, and compiled with ``backend="h3_fused"`` under ``bf16`` and ``fp32``.
 Median wall time of ``torch.utils.benchmark.Timer`` on this machine's threads, and the share of output
 elements not bit-identical to eager.
@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-from sites import SITES, eager_site, make_inputs
+from h3_fused.kernels.testing import SITES, eager_site, make_inputs
 from timing import mismatch, write_results
 from torch.utils.benchmark import Timer
 

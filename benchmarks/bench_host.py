@@ -11,7 +11,7 @@ other work on it only ever adds time), for the public function (``public_op``: `
 the op's body without the dispatcher: argument checks, output allocation, launch), the op through the
 dispatcher (``dispatched_op``: ``torch.ops.h3_fused.*``, as a tracer or mode sees it), the argument checks
 alone (``check_args``), the launch as the benchmarks time kernels
-(``bare_launch``: ``sites.kernel_launch``, arguments checked once, outputs allocated once, the launch worked
+(``bare_launch``: ``h3_fused.kernels.testing.kernel_launch``, arguments checked once, outputs allocated once, the launch worked
 out per call), Triton's launcher alone (``triton_launch``: the launch worked out once, ``kernel[grid](...)``
 per call; what a direct call is measured against) and the op inside a compiled graph (``in_graph``); then the ``cProfile`` of the calls of
 each way named in ``--profile``, the functions with the most own time first. One row per site and way in
@@ -37,7 +37,7 @@ import torch
 from h3_fused.kernels.arguments import check_args
 from h3_fused.kernels.launch import plan_launch
 from h3_fused.kernels.reference import reference_modulation
-from sites import fused_site, kernel_launch, make_inputs
+from h3_fused.kernels.testing import fused_site, kernel_launch, make_inputs
 
 WAYS = {"cuda": ["public_op", "dispatched_op", "check_args", "bare_launch", "triton_launch", "in_graph"],
         "cpu": ["public_op", "dispatched_op", "check_args", "reference"]}

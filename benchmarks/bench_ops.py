@@ -18,8 +18,9 @@ import argparse
 import itertools
 
 import torch
+from h3_fused.kernels.testing import INDEX_LAYOUTS, SITES, eager_site, fused_site, make_inputs, minimal_bytes
 from hand_fused import hand_fused_site
-from sites import INDEX_LAYOUTS, SITES, eager_site, fused_site, identical_outputs, make_inputs, minimal_bytes
+from harness import identical_outputs
 from timing import call_ms, copy_bandwidth, copy_same_bytes_ms, graph_ms, mismatch, write_results
 
 TOKENS = (3072, 15808, 63232)
@@ -86,7 +87,7 @@ def main():
     parser.add_argument("--sites", nargs="+", default=list(SITES), choices=SITES)
     parser.add_argument("--tokens", nargs="+", type=int, default=list(TOKENS))
     parser.add_argument("--hidden", nargs="+", type=int, default=[HIDDEN])
-    parser.add_argument("--index", default="uniform", choices=INDEX_LAYOUTS, help="layout of the index (sites.make_inputs)")
+    parser.add_argument("--index", default="uniform", choices=INDEX_LAYOUTS, help="layout of the index (h3_fused.kernels.testing.make_inputs)")
     parser.add_argument("--variants", nargs="+", help="time only these variants (default: all)")
     args = parser.parse_args()
     write_results(args.out, run(args))

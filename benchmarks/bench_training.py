@@ -28,7 +28,7 @@ import os
 import sys
 
 import torch
-from sites import SITES, eager_site, fused_site, make_inputs
+from h3_fused.kernels.testing import SITES, eager_site, fused_site, make_inputs
 from timing import alternating_medians, call_ms, copy_bandwidth, copy_same_bytes_ms, graph_ms, write_results
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
@@ -117,18 +117,10 @@ def site_rows(site: str, tokens: int, hidden: int, roof: float) -> list[dict]:
 
 def backward_config_rows(site: str, tokens: int, hidden: int, rounds: int) -> list[dict]:
     """The fused backward alone under launch configurations, side by side."""
-    from h3_fused.kernels.backward import _forward_args, _rows
     from h3_fused.kernels.launch_backward import Needs, backward_config, launch_backward
+    from h3_fused.kernels.testing import backward_inputs
 
-    t = make_inputs(site, tokens, hidden, seed=5)
-    g = torch.Generator(device="cuda").manual_seed(5)
-    incoming = torch.randn(tokens, hidden, generator=g, device="cuda").to(torch.bfloat16)
-    lead = t.get("x", t.get("residual"))
-    values = dict(u=lead if site != "C" else None, branch=t.get("branch"), gate=t.get("gate"), weight=t.get("weight"),
-                  shift=t.get("shift"), scale=t.get("scale"), index=t["index"],
-                  dy=incoming if site != "C" else None, du=incoming if site != "A" else None)
-    a = _forward_args(**values, eps=1e-5, policy="bf16", norm_rounds_before_weight=False, upcast_tables=False)
-    rows_ = (_rows(values["u"], a, "u"), _rows(values["dy"], a, "dy"), _rows(values["du"], a, "du"))
+    a, rows_ = backward_inputs(site, tokens, hidden, seed=5)
     shipped = backward_config(hidden, tokens, a.device, site != "C", site != "A")
     sms = torch.cuda.get_device_properties(a.device).multi_processor_count
 

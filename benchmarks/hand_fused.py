@@ -68,7 +68,7 @@ def one_row_kernel(x_ptr, res_ptr, branch_ptr, gate_ptr, w_ptr, shift_ptr, scale
 
 
 def hand_fused_site(site: str, policy: str = "fp32"):
-    """A callable with the keyword arguments of ``sites.make_inputs(site, ...)`` running the baseline under
+    """A callable with the keyword arguments of ``testing.make_inputs(site, ...)`` running the baseline under
     ``policy`` (``POLICIES``)."""
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")

@@ -4,15 +4,15 @@
         -k 'regex:modulation_kernel|one_row_kernel' python benchmarks/ncu_sites.py [--tokens T] [--sites A B C] \
         [--index uniform runs] [--policies bf16 fp32]
 
-``--index``: the index layouts to launch, one after the other (``sites.make_inputs``); ``--policies``: the
+``--index``: the index layouts to launch, one after the other (``testing.make_inputs``); ``--policies``: the
 fused kernel under each policy, one after the other (default ``bf16``), then the baseline once.
 """
 
 import argparse
 
 import torch
+from h3_fused.kernels.testing import INDEX_LAYOUTS, SITES, fused_site, make_inputs
 from hand_fused import hand_fused_site
-from sites import INDEX_LAYOUTS, SITES, fused_site, make_inputs
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--tokens", type=int, default=15808)

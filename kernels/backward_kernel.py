@@ -62,6 +62,15 @@ def _add_at(acc, c: tl.constexpr, value):
 
 
 @triton.jit
+def _add_product_at(acc, c: tl.constexpr, a, b):
+    """``acc`` with ``a * b`` added to its chunk ``c`` by one FMA."""
+    out = ()
+    for j in tl.static_range(len(acc)):
+        out = out + (tl.fma(a, b, acc[j]),) if j == c else out + (acc[j],)
+    return out
+
+
+@triton.jit
 def _flush(acc, part_ptr, slot, write, lanes, CHUNK: tl.constexpr, HIDDEN: tl.constexpr):
     """Store the row accumulator ``acc`` to slot ``slot`` of a partial buffer where ``write``."""
     written = _everywhere(write, lanes)
@@ -99,15 +108,12 @@ def _input_gradients(dy, u32, r, mean_product, du, scale, w, act: tl.constexpr, 
         xhat = u32 * r
         dn, dxhat = _normed_input_gradient(dy, scale, w, act, HAS_WEIGHT, ROUND_NORM, ROUND_NORM_BEFORE_WEIGHT,
                                            ROUND_AFFINE, INTERPRETED)
-        du_n = r * (dxhat - xhat * mean_product)
+        centred = tl.fma(-xhat, mean_product, dxhat)  # dxhat - xhat * mean_product
         if ROUND_NORM:
-            du_n = rounded(du_n, act, INTERPRETED)
-        if HAS_GATE:
-            du_t = du + du_n
-            if ROUND_NORM:
-                du_t = rounded(du_t, act, INTERPRETED)
+            du_n = rounded(r * centred, act, INTERPRETED)
+            du_t = rounded(du + du_n, act, INTERPRETED) if HAS_GATE else du_n
         else:
-            du_t = du_n
+            du_t = tl.fma(r, centred, du) if HAS_GATE else r * centred
         normed = xhat
         if ROUND_NORM_BEFORE_WEIGHT:
             normed = rounded(normed, act, INTERPRETED)
@@ -232,11 +238,11 @@ def modulation_backward_kernel(
                     scale = _chunk_of(scales, c, scale_ptr, k, stride_scale, cols, ok, HOIST_TABLES)
                     w = _chunk_of(ws, c, w_ptr, 0, 0, cols, ok, HOIST_TABLES) if HAS_WEIGHT else 0.0
                     u32 = widened(us[c])
-                    squares += u32 * u32
+                    squares = tl.fma(u32, u32, squares)
                     _, dxhat = _normed_input_gradient(dys[c], scale, w, act, HAS_WEIGHT, ROUND_NORM,
                                                       ROUND_NORM_BEFORE_WEIGHT, ROUND_AFFINE, INTERPRETED)
-                    products += dxhat * u32
-                r = rsqrt(tl.sum(squares, axis=0) * tl.cast(1.0 / HIDDEN, tl.float32) + tl.cast(eps, tl.float32),
+                    products = tl.fma(dxhat, u32, products)
+                r = rsqrt(tl.fma(tl.sum(squares, axis=0), tl.cast(1.0 / HIDDEN, tl.float32), tl.cast(eps, tl.float32)),
                           INTERPRETED)
                 mean_product = tl.sum(products, axis=0) * r * tl.cast(1.0 / HIDDEN, tl.float32)  # mean(dxhat * xhat)
             for c in tl.static_range(CHUNKS):  # pass 2: the row's gradients
@@ -253,11 +259,11 @@ def modulation_backward_kernel(
                                                        HAS_WEIGHT, ROUND_NORM, ROUND_NORM_BEFORE_WEIGHT, ROUND_AFFINE,
                                                        INTERPRETED)
                 if NEED_W:
-                    acc_w = _add_at(acc_w, c, dn * normed)
+                    acc_w = _add_product_at(acc_w, c, dn, normed)
                 if NEED_SHIFT:
                     acc_shift = _add_at(acc_shift, c, widened(dy))
                 if NEED_SCALE:
-                    acc_scale = _add_at(acc_scale, c, widened(dy) * n)
+                    acc_scale = _add_product_at(acc_scale, c, widened(dy), n)
                 if NEED_X:
                     tl.store(dx_ptr + t * HIDDEN + cols, rounded(du_t, act, INTERPRETED).to(act), mask=ok)
                 if NEED_BRANCH:
@@ -266,7 +272,7 @@ def modulation_backward_kernel(
                              mask=ok)
                 if NEED_GATE:
                     branch = _chunk_of(branches, c, branch_ptr, t, stride_branch, cols, ok, EARLY_STREAMS, True)
-                    acc_gate = _add_at(acc_gate, c, du_t * widened(branch))
+                    acc_gate = _add_product_at(acc_gate, c, du_t, widened(branch))
         if GROUPED:
             slot = program + table_row
             if NEED_SHIFT:

@@ -7,9 +7,23 @@ Written once, here, and mapped one for one onto the kernels' constexprs (``forwa
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 import torch
+
+
+class SumOrder(enum.IntEnum):
+    """The order in which a norm adds its fp32 squares (the forward kernel's ``NORM_SUM_ORDER``, by value).
+
+    OWN: the kernel's own order (any order is within ``fp32``).
+    FUSED_RMS_NORM: the order of torch's fused RMSNorm CUDA kernel, which ``nn.RMSNorm`` and ``F.rms_norm`` run.
+    MEAN: the order of torch's generic reduction, which the native RMSNorm's ``x.pow(2).mean(-1)`` runs.
+    """
+
+    OWN = 0
+    FUSED_RMS_NORM = 1
+    MEAN = 2
 
 
 @dataclass(frozen=True)
@@ -27,12 +41,11 @@ class Rounding:
     (``reference.sum_rounded_once``); with an fp32 gate table, the sum rounded to fp32 and then to ``A``.
     The affine is an fp32 FMA, as the upstream fp32 kernels compile it.
     norm_sum_order: the eager CUDA kernel whose order of the norm's fp32 sum of squares, and whose mean, the
-    forward kernel reproduces, so that ``r`` is eager's bit for bit: ``"fused_rms_norm"`` for ``nn.RMSNorm``
-    and ``F.rms_norm`` (one rounding, ``norm_before_weight`` false), which run torch's fused RMSNorm kernel;
-    ``"mean"`` for the native RMSNorm, whose ``x.pow(2).mean(-1)`` runs torch's generic reduction; None: the
-    kernel's own order (any order is within ``fp32``). Reproduced where eager takes the path measured
+    forward kernel reproduces, so that ``r`` is eager's bit for bit: ``SumOrder.FUSED_RMS_NORM`` for
+    ``nn.RMSNorm`` and ``F.rms_norm`` (one rounding, ``norm_before_weight`` false); ``SumOrder.MEAN`` for the
+    native RMSNorm; ``SumOrder.OWN``: the kernel's own order. Reproduced where eager takes the path measured
     (``launch.norm_sum_order`` says where: ``H`` a multiple of 4, rows aligned to 4 elements, which the launch
-    does not check of a view; for ``"mean"`` at least 16 rows).
+    does not check of a view; for ``MEAN`` at least 16 rows).
 
     The backward rounds the activation gradients where eager's autograd of the same graph rounds them,
     which the same fields decide (``dy``, ``du`` are the incoming gradients of ``y`` and ``u``, ``xhat = u*r``):
@@ -59,7 +72,7 @@ class Rounding:
     norm_before_weight: bool
     affine: bool
     fused_multiply_add: bool = False
-    norm_sum_order: str | None = None
+    norm_sum_order: SumOrder = SumOrder.OWN
 
 
 def rounding_for(policy: str, activation: torch.dtype, gate_table: torch.dtype | None,
@@ -68,7 +81,7 @@ def rounding_for(policy: str, activation: torch.dtype, gate_table: torch.dtype |
     """The rounding points of the eager graph under ``bf16``; only the stored ones under ``fp32``."""
     if policy == "fp32":
         return Rounding(False, False, False, False, fused_multiply_add=True)
-    sum_order = "mean" if norm_rounds_before_weight else "fused_rms_norm"
+    sum_order = SumOrder.MEAN if norm_rounds_before_weight else SumOrder.FUSED_RMS_NORM
     if activation in (torch.float32, torch.float64):  # nothing to round to
         return Rounding(False, False, False, False, norm_sum_order=sum_order)
 

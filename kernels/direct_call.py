@@ -9,7 +9,8 @@ other call goes through ``torch.ops.h3_fused.*`` (docs/DESIGN.md, "Direct calls 
 A direct call's host time is then the checks of its arguments and the working out of its launch, which
 depend only on the arguments' layout (shapes, strides, dtypes, devices, pointer alignment) and scalars:
 ``DirectLaunch`` is that work done once per layout, and a later call of the same layout launches from it, on
-CUDA through the launcher of the kernel its first call compiled (``launch.CompiledLaunch``).
+CUDA through the launcher of the kernel its first call compiled (``launch_plan.CompiledLaunch``). The private
+torch and Triton calls this takes are ``private_api``'s; where one is missing, every call is dispatched.
 """
 
 from __future__ import annotations
@@ -20,38 +21,22 @@ from dataclasses import dataclass, field
 import torch
 
 from .arguments import check_args, check_index_on_host
-from .launch import CompiledLaunch, KernelLaunch, no_launch_hooks, plan_launch, triton_allowed
+from .launch import ForwardLaunch, plan_launch
+from .launch_plan import CompiledLaunch
+from .private_api import current_cuda_device, current_raw_stream, no_launch_hooks, nothing_watching
+from .runtime import PLAIN_TENSORS, SCALARS, triton_allowed
 
-SCALARS = (bool, int, float, str)
-PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)  # a Parameter dispatches as a plain tensor
 MAX_LAYOUTS = 256  # per op; beyond, the layout seen first is forgotten (eager calls of ever new shapes)
 
 
-def _nothing_watching() -> bool:
-    """No ``torch.compile`` or TorchScript tracing, Python dispatch mode, torch function mode (``with
-    torch.device(...)`` is one), functorch transform (vmap, grad, functionalize) or autograd profiler active."""
-    return not (torch.compiler.is_compiling()
-                or torch._C._len_torch_dispatch_stack()
-                or torch._C._is_torch_function_mode_enabled()
-                or torch._C._are_functorch_transforms_active()
-                or torch._C._get_tracing_state() is not None
-                or torch._C._autograd._profiler_enabled())
-
-
-def untraced(values) -> bool:
-    """Whether no tracer, mode or transform could see a call with these argument values: each is None, a
-    Python scalar, a plain ``torch.Tensor`` or an ``nn.Parameter`` (not another subclass, such as a fake,
-    functional or distributed tensor, nor an FX proxy), and nothing is watching (``_nothing_watching``)."""
-    return _nothing_watching() and all(v is None or type(v) in PLAIN_TENSORS or type(v) in SCALARS for v in values)
-
-
 def call_layout(values) -> tuple | None:
-    """The layout of a call with these argument values where the call may skip the dispatcher: it is
-    ``untraced`` and autograd would not record it (grad mode off, or no tensor requiring grad; else the
-    dispatcher's autograd layer refuses it, ``ops._refuse_grad``). Each tensor as its shape, strides, dtype,
-    device and whether its data is 16-byte aligned (which Triton specialises a pointer on), every other value
-    with its type (``1`` and ``True`` are different layouts). None otherwise."""
-    if not _nothing_watching():
+    """The layout of a call with these argument values where the call may skip the dispatcher: nothing is
+    watching (``private_api.nothing_watching``), each value is None, a Python scalar, a plain tensor or an
+    ``nn.Parameter``, and autograd would not record the call (grad mode off, or no tensor requiring grad; the
+    dispatcher's autograd layer records such a call). Each tensor as its shape, strides, dtype, device and
+    whether its data is 16-byte aligned (which Triton specialises a pointer on), every other value with its type
+    (``1`` and ``True`` are different layouts). None otherwise."""
+    if not nothing_watching():
         return None
     grad = torch.is_grad_enabled()
     layout = []
@@ -78,7 +63,7 @@ class DirectLaunch:
     through Triton's ``JITFunction.run`` and keeps the kernel it compiled (``compiled``); later calls launch
     that kernel directly while Triton has no launch hook."""
 
-    launch: KernelLaunch
+    launch: ForwardLaunch
     positions: tuple[int, ...]
     device: torch.device
     want_u: bool
@@ -96,24 +81,20 @@ class DirectLaunch:
         lead = tensors[0]  # x or the residual: the outputs' shape, dtype and device
         u, y = (torch.empty_like(lead, memory_format=torch.contiguous_format) if wanted else None
                 for wanted in (self.want_u, self.want_y))
-        if self.device.type == "cuda" and self.device.index != torch._C._cuda_getDevice():
+        if self.device.type == "cuda" and self.device.index != current_cuda_device():
             with torch.cuda.device(self.device):  # Triton launches on the current device
                 self._launch(tensors, u, y)
         else:
             self._launch(tensors, u, y)
         return (u, y) if self.want_u and self.want_y else (u if self.want_u else y)
 
-    def _launch(self, tensors, u, y):
+    def _launch(self, inputs, u, y):
         if self.compiled is not None and no_launch_hooks():
-            self.compiled(tensors, u, y, torch._C._cuda_getCurrentRawStream(self.device.index))
+            self.compiled(ForwardLaunch.tensors(inputs, u, y), current_raw_stream(self.device.index))
             return
-        kernel = self.launch(tensors, u, y, _direct)
+        kernel = self.launch(inputs, u, y, lambda jit_function: jit_function)
         if self.device.type == "cuda" and self.compiled is None:
-            self.compiled = self.launch.bind(kernel)
-
-
-def _direct(kernel):
-    return kernel
+            self.compiled = self.launch.launch.bind(kernel)
 
 
 def plan_direct_call(signature: inspect.Signature, args: tuple, kwargs: dict) -> DirectLaunch | None:

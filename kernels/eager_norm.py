@@ -26,8 +26,9 @@ from torch import Tensor
 from torch.library import triton_op
 
 from .arguments import ModulationArgs, check_args
+from .contract import SumOrder
 from .launch import launch_modulation, norm_sum_order
-from .ops import launch_context
+from .runtime import launch_context
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -63,7 +64,7 @@ def kernel_args(x: Tensor, weight: Tensor | None, eps: float, rounds_before_weig
         return None
     a = check_args(x=x, weight=weight, eps=eps, policy="bf16", norm_rounds_before_weight=rounds_before_weight,
                    has_norm=True)
-    return a if norm_sum_order(a.rounding, a.hidden, True, a.static_rows) else None
+    return a if norm_sum_order(a.rounding, a.hidden, True, a.static_rows) is not SumOrder.OWN else None
 
 
 @triton_op("h3_fused::eager_rms_norm", mutates_args=())

@@ -17,7 +17,8 @@ Per row ``t`` (``i = index[t]``, arithmetic in fp32 unless said below, ``R`` = r
                y = R(n)                        -> stored
 
 The ``ROUND_*``, ``FUSE_MULTIPLY_ADD`` and ``NORM_SUM_ORDER`` constexprs are ``contract.Rounding``'s fields,
-one for one (``NORM_SUM_ORDER``: 0 the kernel's own order, 1 ``"fused_rms_norm"``, 2 ``"mean"``).
+one for one (``NORM_SUM_ORDER``: a ``contract.SumOrder``, compared here with ``OWN_ORDER``,
+``FUSED_RMS_NORM_ORDER`` and ``MEAN_ORDER``); ``launch.ForwardSpecialisation`` declares them all.
 
 Each program holds ``BLOCK_T`` whole rows in registers, read in chunks of ``CHUNK`` columns; the chunks
 of ``u`` stay in registers (in the activation dtype) from the sum of squares to the modulation. Each
@@ -43,7 +44,12 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .contract import SumOrder
 from .device_math import mul_rn, rounded, rounded_product, rsqrt, sum_rounded_once, widened
+
+OWN_ORDER = tl.constexpr(SumOrder.OWN.value)
+FUSED_RMS_NORM_ORDER = tl.constexpr(SumOrder.FUSED_RMS_NORM.value)
+MEAN_ORDER = tl.constexpr(SumOrder.MEAN.value)
 
 
 @triton.jit
@@ -256,11 +262,12 @@ def _eager_order_total(partial):
 
 @triton.jit
 def _eager_norm_mean(partial, n_rows, program, zero, HIDDEN: tl.constexpr, NORM_SUM_ORDER: tl.constexpr):
-    """``mean(u*u)`` per row from the partial sums of ``_add_squares_as_fused_rms_norm`` (``NORM_SUM_ORDER`` 1:
-    the sum divided by ``H``, as torch's fused RMSNorm kernel divides it) or ``_add_squares_as_mean`` (2: each
-    lane's 4 sums added ``((s0 + s1) + s2) + s3``, then the lanes' tree, times the factor torch's mean takes,
-    ``float(rows) / float(rows * H)``, each count rounded to fp32 as eager's host code rounds it)."""
-    if NORM_SUM_ORDER == 1:  # an else, not an early return: Triton builds what follows a return in a static if
+    """``mean(u*u)`` per row from the partial sums of ``_add_squares_as_fused_rms_norm`` (``FUSED_RMS_NORM_ORDER``:
+    the sum divided by ``H``, as torch's fused RMSNorm kernel divides it) or ``_add_squares_as_mean``
+    (``MEAN_ORDER``: each lane's 4 sums added ``((s0 + s1) + s2) + s3``, then the lanes' tree, times the factor
+    torch's mean takes, ``float(rows) / float(rows * H)``, each count rounded to fp32 as eager's host code
+    rounds it)."""
+    if NORM_SUM_ORDER == FUSED_RMS_NORM_ORDER:  # an else, not an early return (Triton builds what follows it)
         mean = tl.math.div_rn(_eager_order_total(partial), tl.cast(HIDDEN, tl.float32))
     else:
         BT: tl.constexpr = partial.shape[0]
@@ -307,87 +314,6 @@ def _touch_table_rows(program, w_ptr, shift_ptr, scale_ptr, gate_ptr, num_table_
         tl.load(w_ptr + rest * w_per_sector, mask=(rest >= 0) & (rest * w_per_sector < HIDDEN), volatile=True)
 
 
-@triton.jit
-def _modulate_rows(
-    program, x_ptr, res_ptr, branch_ptr, gate_ptr, w_ptr, shift_ptr, scale_ptr, idx_ptr, u_ptr, y_ptr,
-    n_rows, num_table_rows, eps,
-    stride_x, stride_res, stride_branch, stride_gate, stride_shift, stride_scale,
-    HIDDEN: tl.constexpr, HAS_GATE: tl.constexpr, HAS_NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-    HAS_AFFINE: tl.constexpr, ROUND_GATE: tl.constexpr, ROUND_NORM: tl.constexpr,
-    ROUND_NORM_BEFORE_WEIGHT: tl.constexpr, ROUND_AFFINE: tl.constexpr, FUSE_MULTIPLY_ADD: tl.constexpr,
-    NORM_SUM_ORDER: tl.constexpr, INTERPRETED: tl.constexpr,
-    BLOCK_T: tl.constexpr, CHUNK: tl.constexpr, PRELOAD_TABLE_CHUNKS: tl.constexpr, WARM_ROWS_AHEAD: tl.constexpr,
-    WARMING_LANES: tl.constexpr,
-):
-    """The rows of program ``program`` (int64), counting the programs of rows."""
-    rows = program * BLOCK_T + tl.arange(0, BLOCK_T)
-    row_ok = rows < n_rows
-    HAS_TABLES: tl.constexpr = HAS_GATE or HAS_AFFINE
-    if HAS_TABLES:
-        idx = tl.load(idx_ptr + rows, mask=row_ok, other=0).to(tl.int64)
-        bad = row_ok & ((idx < 0) | (idx >= num_table_rows))
-        zero = (idx < 0).to(tl.int32)[:, None]  # 0 wherever the result is defined (see ``device_math.mul_rn``)
-        idx = tl.where(bad, 0, idx)  # every load reads in bounds, whatever the index
-    else:  # a plain norm: no index; the zero from a loaded value, 1 only on a row whose outputs are NaN anyway
-        first = tl.load(x_ptr + rows * stride_x, mask=row_ok, other=0.0)
-        zero = (first != first).to(tl.int32)[:, None]
-        idx = rows  # read by no load
-
-    kept = ()  # the row's chunks of u, in the activation dtype (exact: u is rounded to it or loaded in it)
-    squares = tl.zeros([BLOCK_T, CHUNK // 4 if NORM_SUM_ORDER == 1 else CHUNK], tl.float32)
-    for c in tl.static_range(triton.cdiv(HIDDEN, CHUNK)):
-        lanes, mask = _chunk(c, row_ok, CHUNK, HIDDEN)
-        u = _new_residual(x_ptr, res_ptr, branch_ptr, gate_ptr, u_ptr, rows, idx, zero, c * CHUNK, lanes, mask,
-                          stride_x, stride_res, stride_branch, stride_gate, HIDDEN, HAS_GATE, ROUND_GATE,
-                          FUSE_MULTIPLY_ADD, INTERPRETED)
-        if HAS_NORM:
-            wide = widened(u)
-            if NORM_SUM_ORDER == 1:
-                squares = _add_squares_as_fused_rms_norm(squares, wide)
-            elif NORM_SUM_ORDER == 2:
-                squares = _add_squares_as_mean(squares, wide, zero)
-            else:
-                squares += wide * wide
-        kept = kept + (u,)
-    tables = (0.0, 0.0, 0.0)
-    if HAS_NORM and PRELOAD_TABLE_CHUNKS and HAS_GATE:  # site B: arriving while the row is reduced (after the check: slower)
-        tables = _tables_chunk(w_ptr, shift_ptr, scale_ptr, idx, 0, row_ok, stride_shift, stride_scale, HIDDEN,
-                               CHUNK, HAS_WEIGHT)
-    if HAS_GATE:  # after every chunk's loads: a store may alias them, so no load could move above it
-        for c in tl.static_range(triton.cdiv(HIDDEN, CHUNK)):
-            lanes, mask = _chunk(c, row_ok, CHUNK, HIDDEN)
-            tl.store(u_ptr + rows[:, None] * HIDDEN + c * CHUNK + lanes[None, :], kept[c], mask=mask)
-    # after the activation loads: a load may not move above the assertion's call, which would otherwise
-    # hold the row's loads until the index arrives (docs/DESIGN.md, "The index assertion's place")
-    if HAS_TABLES:
-        tl.device_assert(~bad, "h3_fused: index out of range [0, K)")
-    if HAS_NORM and PRELOAD_TABLE_CHUNKS and not HAS_GATE:  # site A: after the assertion, so that ptxas does not
-        # compute their addresses, which wait for the index, before issuing the activation loads
-        tables = _tables_chunk(w_ptr, shift_ptr, scale_ptr, idx, 0, row_ok, stride_shift, stride_scale, HIDDEN,
-                               CHUNK, HAS_WEIGHT)
-    if HAS_NORM:
-        # fp32 constants and scalars (Inductor may pass eps as a constexpr float, which computes in fp64)
-        if NORM_SUM_ORDER > 0:
-            mean_square = _eager_norm_mean(squares, n_rows, program, zero, HIDDEN, NORM_SUM_ORDER)
-        else:
-            mean_square = tl.sum(squares, axis=1) * tl.cast(1.0 / HIDDEN, tl.float32)
-        r = rsqrt(mean_square + tl.cast(eps, tl.float32), INTERPRETED)
-        chunks: tl.constexpr = triton.cdiv(HIDDEN, CHUNK)
-        for c in tl.static_range(chunks):
-            lanes, mask = _chunk(c, row_ok, CHUNK, HIDDEN)
-            current = tables
-            if PRELOAD_TABLE_CHUNKS and c + 1 < chunks:  # the next chunk's, before this chunk's store (which may alias them)
-                tables = _tables_chunk(w_ptr, shift_ptr, scale_ptr, idx, c + 1, row_ok, stride_shift, stride_scale,
-                                       HIDDEN, CHUNK, HAS_WEIGHT)
-            y = _modulated(widened(kept[c]), r, w_ptr, shift_ptr, scale_ptr, y_ptr, idx, zero, c * CHUNK, lanes,
-                           mask, stride_shift, stride_scale, current, HIDDEN, HAS_WEIGHT, HAS_AFFINE, ROUND_NORM,
-                           ROUND_NORM_BEFORE_WEIGHT, ROUND_AFFINE, FUSE_MULTIPLY_ADD, INTERPRETED, PRELOAD_TABLE_CHUNKS)
-            tl.store(y_ptr + rows[:, None] * HIDDEN + c * CHUNK + lanes[None, :], y, mask=mask)
-    if WARM_ROWS_AHEAD > 0 and HAS_AFFINE:  # last: no register of the row is live any more
-        _touch_coming_table_rows(program, idx_ptr, shift_ptr, scale_ptr, gate_ptr, n_rows, num_table_rows,
-                                 stride_shift, stride_scale, stride_gate, HIDDEN, HAS_GATE, BLOCK_T, WARM_ROWS_AHEAD, WARMING_LANES)
-
-
 @triton.jit(debug=True)
 def modulation_kernel(
     x_ptr, res_ptr, branch_ptr, gate_ptr, w_ptr, shift_ptr, scale_ptr, idx_ptr, u_ptr, y_ptr,
@@ -400,6 +326,7 @@ def modulation_kernel(
     BLOCK_T: tl.constexpr, CHUNK: tl.constexpr, PRELOAD_TABLE_CHUNKS: tl.constexpr, WARM_ROWS_AHEAD: tl.constexpr,
     WARM_TABLES_FIRST: tl.constexpr, WARMING_LANES: tl.constexpr,
 ):
+    """The forward of one site (the module docstring); the constexprs are ``launch.ForwardSpecialisation``'s."""
     program = tl.program_id(0).to(tl.int64)  # int64 throughout: no int32 overflow checks under debug=True
     warming: tl.constexpr = 0
     if WARM_TABLES_FIRST:  # the programs beyond the rows' come first (``launch.warming_program_count``)
@@ -409,8 +336,71 @@ def modulation_kernel(
         _touch_table_rows(program, w_ptr, shift_ptr, scale_ptr, gate_ptr, num_table_rows, stride_shift,
                           stride_scale, stride_gate, HIDDEN, HAS_GATE, HAS_NORM, HAS_WEIGHT, WARMING_LANES)
     else:
-        _modulate_rows(program - warming, x_ptr, res_ptr, branch_ptr, gate_ptr, w_ptr, shift_ptr, scale_ptr, idx_ptr,
-                       u_ptr, y_ptr, n_rows, num_table_rows, eps, stride_x, stride_res, stride_branch, stride_gate,
-                       stride_shift, stride_scale, HIDDEN, HAS_GATE, HAS_NORM, HAS_WEIGHT, HAS_AFFINE, ROUND_GATE,
-                       ROUND_NORM, ROUND_NORM_BEFORE_WEIGHT, ROUND_AFFINE, FUSE_MULTIPLY_ADD, NORM_SUM_ORDER,
-                       INTERPRETED, BLOCK_T, CHUNK, PRELOAD_TABLE_CHUNKS, WARM_ROWS_AHEAD, WARMING_LANES)
+        rows_program = program - warming  # counting the programs of rows
+        rows = rows_program * BLOCK_T + tl.arange(0, BLOCK_T)
+        row_ok = rows < n_rows
+        HAS_TABLES: tl.constexpr = HAS_GATE or HAS_AFFINE
+        if HAS_TABLES:
+            idx = tl.load(idx_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+            bad = row_ok & ((idx < 0) | (idx >= num_table_rows))
+            zero = (idx < 0).to(tl.int32)[:, None]  # 0 wherever the result is defined (see ``device_math.mul_rn``)
+            idx = tl.where(bad, 0, idx)  # every load reads in bounds, whatever the index
+        else:  # a plain norm: no index; the zero from a loaded value, 1 only on a row whose outputs are NaN anyway
+            first = tl.load(x_ptr + rows * stride_x, mask=row_ok, other=0.0)
+            zero = (first != first).to(tl.int32)[:, None]
+            idx = rows  # read by no load
+
+        kept = ()  # the row's chunks of u, in the activation dtype (exact: u is rounded to it or loaded in it)
+        squares = tl.zeros([BLOCK_T, CHUNK // 4 if NORM_SUM_ORDER == FUSED_RMS_NORM_ORDER else CHUNK], tl.float32)
+        for c in tl.static_range(triton.cdiv(HIDDEN, CHUNK)):
+            lanes, mask = _chunk(c, row_ok, CHUNK, HIDDEN)
+            u = _new_residual(x_ptr, res_ptr, branch_ptr, gate_ptr, u_ptr, rows, idx, zero, c * CHUNK, lanes, mask,
+                              stride_x, stride_res, stride_branch, stride_gate, HIDDEN, HAS_GATE, ROUND_GATE,
+                              FUSE_MULTIPLY_ADD, INTERPRETED)
+            if HAS_NORM:
+                wide = widened(u)
+                if NORM_SUM_ORDER == FUSED_RMS_NORM_ORDER:
+                    squares = _add_squares_as_fused_rms_norm(squares, wide)
+                elif NORM_SUM_ORDER == MEAN_ORDER:
+                    squares = _add_squares_as_mean(squares, wide, zero)
+                else:  # an explicit FMA: the same build whatever Triton's default for contracting them
+                    squares = tl.fma(wide, wide, squares)
+            kept = kept + (u,)
+        tables = (0.0, 0.0, 0.0)
+        if HAS_NORM and PRELOAD_TABLE_CHUNKS and HAS_GATE:  # site B: arriving while the row is reduced (after the check: slower)
+            tables = _tables_chunk(w_ptr, shift_ptr, scale_ptr, idx, 0, row_ok, stride_shift, stride_scale, HIDDEN,
+                                   CHUNK, HAS_WEIGHT)
+        if HAS_GATE:  # after every chunk's loads: a store may alias them, so no load could move above it
+            for c in tl.static_range(triton.cdiv(HIDDEN, CHUNK)):
+                lanes, mask = _chunk(c, row_ok, CHUNK, HIDDEN)
+                tl.store(u_ptr + rows[:, None] * HIDDEN + c * CHUNK + lanes[None, :], kept[c], mask=mask)
+        # after the activation loads: a load may not move above the assertion's call, which would otherwise
+        # hold the row's loads until the index arrives (docs/DESIGN.md, "The index assertion's place")
+        if HAS_TABLES:
+            tl.device_assert(~bad, "h3_fused: index out of range [0, K)")
+        if HAS_NORM and PRELOAD_TABLE_CHUNKS and not HAS_GATE:  # site A: after the assertion, so that ptxas does not
+            # compute their addresses, which wait for the index, before issuing the activation loads
+            tables = _tables_chunk(w_ptr, shift_ptr, scale_ptr, idx, 0, row_ok, stride_shift, stride_scale, HIDDEN,
+                                   CHUNK, HAS_WEIGHT)
+        if HAS_NORM:
+            # fp32 constants and scalars (Inductor may pass eps as a constexpr float, which computes in fp64)
+            if NORM_SUM_ORDER != OWN_ORDER:
+                shifted = _eager_norm_mean(squares, n_rows, rows_program, zero, HIDDEN, NORM_SUM_ORDER) + \
+                    tl.cast(eps, tl.float32)
+            else:
+                shifted = tl.fma(tl.sum(squares, axis=1), tl.cast(1.0 / HIDDEN, tl.float32), tl.cast(eps, tl.float32))
+            r = rsqrt(shifted, INTERPRETED)
+            chunks: tl.constexpr = triton.cdiv(HIDDEN, CHUNK)
+            for c in tl.static_range(chunks):
+                lanes, mask = _chunk(c, row_ok, CHUNK, HIDDEN)
+                current = tables
+                if PRELOAD_TABLE_CHUNKS and c + 1 < chunks:  # the next chunk's, before this chunk's store (which may alias them)
+                    tables = _tables_chunk(w_ptr, shift_ptr, scale_ptr, idx, c + 1, row_ok, stride_shift, stride_scale,
+                                           HIDDEN, CHUNK, HAS_WEIGHT)
+                y = _modulated(widened(kept[c]), r, w_ptr, shift_ptr, scale_ptr, y_ptr, idx, zero, c * CHUNK, lanes,
+                               mask, stride_shift, stride_scale, current, HIDDEN, HAS_WEIGHT, HAS_AFFINE, ROUND_NORM,
+                               ROUND_NORM_BEFORE_WEIGHT, ROUND_AFFINE, FUSE_MULTIPLY_ADD, INTERPRETED, PRELOAD_TABLE_CHUNKS)
+                tl.store(y_ptr + rows[:, None] * HIDDEN + c * CHUNK + lanes[None, :], y, mask=mask)
+        if WARM_ROWS_AHEAD > 0 and HAS_AFFINE:  # last: no register of the row is live any more
+            _touch_coming_table_rows(rows_program, idx_ptr, shift_ptr, scale_ptr, gate_ptr, n_rows, num_table_rows,
+                                     stride_shift, stride_scale, stride_gate, HIDDEN, HAS_GATE, BLOCK_T, WARM_ROWS_AHEAD, WARMING_LANES)

@@ -7,17 +7,15 @@ what it measured) and the configurations measured and rejected.
 
 from __future__ import annotations
 
-import os
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
-from triton import knobs
 
 from .arguments import ModulationArgs
-from .contract import Rounding
+from .contract import Rounding, SumOrder
 from .forward_kernel import modulation_kernel
+from .launch_plan import KernelLaunch, specialisation
+from .runtime import ceil_div, interpreting
 
 MAX_BLOCK_H = 32768
 FEWEST_ROWS = 1024  # up to this many rows site A runs on 8 warps
@@ -26,7 +24,6 @@ SITE_A_NARROW_H = 2048  # up to this H site A preloads its table chunks only up 
 SITE_A_FEW_ROWS = 16384
 MIN_WARPS = 4  # the fewest warps a program runs on (but in the mean's order, MEAN_ORDER_WARPS)
 MEAN_ORDER_WARPS = 2  # a program's warps where the squares add in the mean's order: one row on 64 threads
-SUM_ORDERS = {None: 0, "fused_rms_norm": 1, "mean": 2}  # contract.Rounding.norm_sum_order -> NORM_SUM_ORDER
 MEAN_ORDER_MIN_ROWS = 16  # from this many rows torch's mean gives a row one warp (the order reproduced)
 MEAN_ORDER_MIN_H = 128  # the narrowest row whose mean's order was measured (its input read in vectors)
 # torch's reduction gives a row one warp while each lane sums fewer than 256 of its values (``div_up(H, 32) < 256``,
@@ -62,31 +59,30 @@ class LaunchConfig:
         return self.block_t * self.chunk // 8
 
 
-def norm_sum_order(rounding: Rounding, hidden: int, has_norm: bool, rows: int | None) -> int:
+def norm_sum_order(rounding: Rounding, hidden: int, has_norm: bool, rows: int | None) -> SumOrder:
     """The kernel's ``NORM_SUM_ORDER``: the rounding contract's ``norm_sum_order`` where the eager kernel takes the
-    path reproduced (``H`` a multiple of 4: vectorized; for ``"mean"`` also ``MEAN_ORDER_MIN_ROWS`` rows or more,
-    or a symbolic count, and ``H`` from ``MEAN_ORDER_MIN_H`` to ``MEAN_ORDER_MAX_H``), else 0 (the kernel's own
-    order)."""
-    order = rounding.norm_sum_order if has_norm and hidden % 4 == 0 else None
+    path reproduced (``H`` a multiple of 4: vectorized; for ``MEAN`` also ``MEAN_ORDER_MIN_ROWS`` rows or more,
+    or a symbolic count, and ``H`` from ``MEAN_ORDER_MIN_H`` to ``MEAN_ORDER_MAX_H``), else ``OWN``."""
+    order = rounding.norm_sum_order if has_norm and hidden % 4 == 0 else SumOrder.OWN
     few_rows = rows is not None and rows < MEAN_ORDER_MIN_ROWS
-    if order == "mean" and (few_rows or not MEAN_ORDER_MIN_H <= hidden <= MEAN_ORDER_MAX_H):
-        order = None
-    return SUM_ORDERS[order]
+    if order is SumOrder.MEAN and (few_rows or not MEAN_ORDER_MIN_H <= hidden <= MEAN_ORDER_MAX_H):
+        order = SumOrder.OWN
+    return order
 
 
-def sum_order_chunk(hidden: int, sum_order: int) -> int | None:
+def sum_order_chunk(hidden: int, sum_order: SumOrder) -> int | None:
     """The chunk width the order ``sum_order`` needs (None: any): one 4-element vector per eager thread, 128
     threads for the fused RMSNorm (512 columns, or the padded row), for the mean one warp's lanes, as many as
     the row's vectors allow (``4 * min(32, last power of 2 <= H / 4)``)."""
-    if sum_order == 1:
+    if sum_order is SumOrder.FUSED_RMS_NORM:
         return min(1 << (int(hidden) - 1).bit_length(), 512)
-    if sum_order == 2:
+    if sum_order is SumOrder.MEAN:
         return 4 * min(32, 1 << ((int(hidden) // 4).bit_length() - 1))
     return None
 
 
 def launch_config(hidden: int, has_gate: bool, has_norm: bool, rows: int | None,
-                  sum_order: int = 0, has_affine: bool = True) -> LaunchConfig:
+                  sum_order: SumOrder = SumOrder.OWN, has_affine: bool = True) -> LaunchConfig:
     """Whole rows in registers, read in chunks of one 16-byte vector per thread (8 bf16), so that only the
     last chunk pads ``H``; one row per program (rows shorter than the program's lanes share it).
 
@@ -123,20 +119,14 @@ def launch_config(hidden: int, has_gate: bool, has_norm: bool, rows: int | None,
     per_thread = 32 if more_warps else 64
     num_warps = max(MIN_WARPS, min(16, block_t * padded // (32 * per_thread)))
     chunk = min(padded, max(1, 32 * num_warps * 8 // block_t))  # the quotient is 0 at H = 1
-    if sum_order:
+    if sum_order is not SumOrder.OWN:
         num_warps, chunk = MIN_WARPS, sum_order_chunk(hidden, sum_order)
-        if sum_order == 2:
+        if sum_order is SumOrder.MEAN:
             block_t, num_warps = 1, MEAN_ORDER_WARPS
     tables = has_norm and has_affine
     preload = tables and (has_gate or hidden > SITE_A_NARROW_H or at_most(SITE_A_FEW_ROWS))
     warm_first = tables and not has_gate
     return LaunchConfig(block_t, chunk, num_warps, preload, warm_tables_first=warm_first)
-
-
-def ceil_div(a, b):
-    """``ceil(a / b)`` of non-negative integers, symbolic ones too. On the host, in place of ``triton.cdiv``,
-    a ``constexpr_function`` whose wrapper costs about 1.5 us a call, several per launch."""
-    return (a + b - 1) // b
 
 
 def warming_program_count(a: ModulationArgs, lanes: int) -> int:
@@ -152,129 +142,98 @@ def warming_program_count(a: ModulationArgs, lanes: int) -> int:
     return 0 if 32 * sectors > WARM_TABLES_MAX_BYTES else ceil_div(sectors, lanes)
 
 
-def specialisation(hidden: int, has_gate: bool, has_norm: bool, has_weight: bool, rounding: Rounding,
-                   config: LaunchConfig, interpreted: bool, sum_order: int = 0, has_affine: bool = True) -> dict:
-    """The kernel's constexpr arguments for one site (a plain RMSNorm: ``has_norm`` without ``has_affine``),
-    rounding, launch configuration and norm sum order (``norm_sum_order``'s)."""
-    return dict(
-        HIDDEN=hidden, HAS_GATE=has_gate, HAS_NORM=has_norm, HAS_WEIGHT=has_weight,
-        HAS_AFFINE=has_norm and has_affine,
-        ROUND_GATE=rounding.gate_product, ROUND_NORM=rounding.norm_output,
-        ROUND_NORM_BEFORE_WEIGHT=rounding.norm_before_weight, ROUND_AFFINE=rounding.affine,
-        FUSE_MULTIPLY_ADD=rounding.fused_multiply_add, NORM_SUM_ORDER=sum_order,
-        INTERPRETED=interpreted, BLOCK_T=config.block_t,
-        CHUNK=config.chunk,
-        PRELOAD_TABLE_CHUNKS=config.preload_table_chunks and has_norm,  # no tables without a norm: one build of C
-        WARM_ROWS_AHEAD=config.warm_rows_ahead, WARM_TABLES_FIRST=config.warm_tables_first,
-        WARMING_LANES=config.warming_lanes,
-    )
+@specialisation(modulation_kernel)
+class ForwardSpecialisation:
+    """The forward kernel's constexprs (``forward_kernel``'s module docstring gives their meaning), in its order.
+
+    The site: ``HIDDEN`` columns, a gate (sites B, C), a norm (A, B, a plain RMSNorm), its weight, an affine
+    (A, B; a plain RMSNorm has none). The rounding contract (``contract.Rounding``): ``ROUND_*``,
+    ``FUSE_MULTIPLY_ADD``, and ``NORM_SUM_ORDER`` (a ``contract.SumOrder``'s value, as ``norm_sum_order``
+    resolves it). ``INTERPRETED``: under Triton's interpreter. The ``LaunchConfig``: the rest."""
+
+    HIDDEN: int
+    HAS_GATE: bool
+    HAS_NORM: bool
+    HAS_WEIGHT: bool
+    HAS_AFFINE: bool
+    ROUND_GATE: bool
+    ROUND_NORM: bool
+    ROUND_NORM_BEFORE_WEIGHT: bool
+    ROUND_AFFINE: bool
+    FUSE_MULTIPLY_ADD: bool
+    NORM_SUM_ORDER: int
+    INTERPRETED: bool
+    BLOCK_T: int
+    CHUNK: int
+    PRELOAD_TABLE_CHUNKS: bool
+    WARM_ROWS_AHEAD: int
+    WARM_TABLES_FIRST: bool
+    WARMING_LANES: int
+
+    @classmethod
+    def of(cls, a: ModulationArgs, config: LaunchConfig, sum_order: SumOrder) -> ForwardSpecialisation:
+        """The specialisation for the site ``a`` launched with ``config`` adding its squares in ``sum_order``."""
+        r = a.rounding
+        return cls(
+            HIDDEN=a.hidden, HAS_GATE=a.gate is not None, HAS_NORM=a.has_norm, HAS_WEIGHT=a.weight is not None,
+            HAS_AFFINE=a.has_affine,
+            ROUND_GATE=r.gate_product, ROUND_NORM=r.norm_output, ROUND_NORM_BEFORE_WEIGHT=r.norm_before_weight,
+            ROUND_AFFINE=r.affine, FUSE_MULTIPLY_ADD=r.fused_multiply_add, NORM_SUM_ORDER=int(sum_order),
+            INTERPRETED=interpreting(),
+            BLOCK_T=config.block_t, CHUNK=config.chunk,
+            PRELOAD_TABLE_CHUNKS=config.preload_table_chunks and a.has_norm,  # no tables without a norm: one C build
+            WARM_ROWS_AHEAD=config.warm_rows_ahead, WARM_TABLES_FIRST=config.warm_tables_first,
+            WARMING_LANES=config.warming_lanes,
+        )
 
 
-def triton_allowed(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether the Triton kernels run for tensors of ``dtype`` on ``device`` (else the pure-torch reference):
-    on CUDA, and on CPU tensors under the Triton interpreter; not for fp64, which only the reference takes."""
-    return dtype != torch.float64 and (device.type == "cuda" or (device.type == "cpu" and interpreting()))
-
-
-def interpreting() -> bool:
-    """Whether Triton runs kernels in its interpreter (``TRITON_INTERPRET=1``), on CPU tensors."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+FORWARD_INPUTS = ("x", "residual", "branch", "gate", "weight", "shift", "scale", "index")  # the kernel's order
 
 
 @dataclass(frozen=True)
-class KernelLaunch:
+class ForwardLaunch:
     """One launch of ``modulation_kernel`` worked out for the arguments of a ``ModulationArgs``: everything but
     the tensors, so that calls on arguments of the same layout can share it (``direct_call.py``).
 
-    - ``slots``: the ``ModulationArgs`` field each of the kernel's eight tensor inputs reads (``x``, residual,
-      branch, gate, weight, shift, scale, index); a site without one passes an alias of one it has, which the
-      kernel never reads;
-    - ``scalars``: the row count, the tables' row count, ``eps`` and the six row strides (x, residual,
-      branch, gate, shift, scale);
-    - ``grid``, ``num_warps`` and the constexprs (``specialisation``'s).
-    """
+    ``slots``: the ``ModulationArgs`` field each of the kernel's tensor inputs (``FORWARD_INPUTS``) reads; a
+    site without one passes an alias of one it has, which the kernel never reads. ``launch``: the rest."""
 
     slots: tuple[str, ...]
-    scalars: tuple
-    grid: tuple
-    num_warps: int
-    constexprs: dict
+    launch: KernelLaunch
 
-    def __call__(self, tensors, u: torch.Tensor | None, y: torch.Tensor | None, wrap):
-        """Launch on ``tensors`` (one per slot) into ``u``/``y`` (``wrap``: ``torch.library.wrap_triton``, or the
-        identity for a direct launch); returns what the launch returns (the compiled kernel, launched directly)."""
-        return wrap(modulation_kernel)[self.grid](
-            *tensors, y if u is None else u, u if y is None else y, *self.scalars, **self.constexprs,
-            num_warps=self.num_warps)
+    @staticmethod
+    def tensors(inputs, u: torch.Tensor | None, y: torch.Tensor | None) -> tuple:
+        """The kernel's tensor arguments: the inputs (one per slot), then ``u`` and ``y`` (each an alias of the
+        other where the site has no such output)."""
+        return (*inputs, y if u is None else u, u if y is None else y)
 
-
-    def bind(self, compiled) -> CompiledLaunch | None:
-        """This launch bound to ``compiled``, the kernel Triton compiled for it (what a direct launch returned),
-        or None where that kernel has no launcher of the form Inductor's launchers call."""
-        run = getattr(compiled, "run", None)
-        function = getattr(compiled, "function", None)
-        names = modulation_kernel.arg_names
-        positional = len(self.slots) + 2 + len(self.scalars)
-        if run is None or function is None or set(names[positional:]) != set(self.constexprs):
-            return None
-        return CompiledLaunch(run, function, getattr(compiled, "packed_metadata", compiled.metadata),
-                              (*self.grid, 1, 1)[:3], self.scalars,
-                              tuple(self.constexprs[name] for name in names[positional:]))
+    def __call__(self, inputs, u: torch.Tensor | None, y: torch.Tensor | None, wrap):
+        """Launch on ``inputs`` into ``u``/``y`` (``wrap``: ``torch.library.wrap_triton``, or the identity for a
+        direct launch); returns what the launch returns (the compiled kernel, launched directly)."""
+        return self.launch(self.tensors(inputs, u, y), wrap)
 
 
-@dataclass(frozen=True)
-class CompiledLaunch:
-    """A ``KernelLaunch`` bound to the kernel Triton compiled for it: a launch calls that kernel's launcher
-    (``CompiledKernel.run``, with the arguments Inductor's generated launchers pass it) instead of
-    ``JITFunction.run``, which binds and specialises every argument again to find the same kernel.
-
-    Valid only for arguments of the layout it was compiled for, which fixes everything Triton specialises on:
-    the dtypes, the integer arguments (row counts and strides, from the shapes and strides), the 16-byte
-    alignment of every pointer, the device; and only while Triton has no launch hook (``no_launch_hooks``),
-    since it passes none."""
-
-    run: Callable
-    function: Any
-    metadata: Any
-    grid: tuple[int, int, int]
-    scalars: tuple
-    constexprs: tuple
-
-    def __call__(self, tensors, u: torch.Tensor | None, y: torch.Tensor | None, stream: int):
-        self.run(*self.grid, stream, self.function, self.metadata, None, None, None, *tensors,
-                 y if u is None else u, u if y is None else y, *self.scalars, *self.constexprs)
-
-
-def no_launch_hooks() -> bool:
-    """Whether Triton has no launch enter or exit hook (a profiler such as proton installs them); the hooks are
-    None or an empty ``HookChain``, as the Triton release has it."""
-    return all(hook is None or getattr(hook, "calls", None) == []
-               for hook in (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook))
-
-
-def plan_launch(a: ModulationArgs, config: LaunchConfig | None = None) -> KernelLaunch:
+def plan_launch(a: ModulationArgs, config: LaunchConfig | None = None) -> ForwardLaunch:
     """The launch of ``modulation_kernel`` for ``a`` with ``config`` (default: ``launch_config``'s)."""
     rows = a.static_rows
     sum_order = norm_sum_order(a.rounding, a.hidden, a.has_norm, rows)
     if config is None:
         config = launch_config(a.hidden, a.gate is not None, a.has_norm, rows, sum_order, a.has_affine)
-    elif sum_order and config.chunk != sum_order_chunk(a.hidden, sum_order):
+    elif sum_order is not SumOrder.OWN and config.chunk != sum_order_chunk(a.hidden, sum_order):
         raise ValueError(f"config.chunk={config.chunk}: where the norm's squares add in an eager kernel's order a "
                          f"chunk holds {sum_order_chunk(a.hidden, sum_order)} columns at H={a.hidden}")
     rows_alias = "x" if a.x is not None else "residual"
     table_alias = "gate" if a.gate is not None else "scale" if a.has_affine else rows_alias
-    slots = tuple(name if getattr(a, name) is not None else alias for name, alias in (
-        ("x", rows_alias), ("residual", rows_alias), ("branch", rows_alias), ("gate", table_alias),
-        ("weight", table_alias), ("shift", table_alias), ("scale", table_alias), ("index", rows_alias)))
+    aliases = dict(x=rows_alias, residual=rows_alias, branch=rows_alias, gate=table_alias, weight=table_alias,
+                   shift=table_alias, scale=table_alias, index=rows_alias)
+    slots = tuple(name if getattr(a, name) is not None else aliases[name] for name in FORWARD_INPUTS)
     x, res, branch, gate, _, shift, scale, _ = (getattr(a, name) for name in slots)
     warming = warming_program_count(a, config.warming_lanes) if config.warm_tables_first else 0
-    return KernelLaunch(
-        slots=slots,
+    return ForwardLaunch(slots, KernelLaunch(
+        modulation_kernel, grid=(ceil_div(a.rows, config.block_t) + warming,), num_warps=config.num_warps,
         scalars=(a.rows, a.num_table_rows, a.eps, x.stride(0), res.stride(0), branch.stride(0), gate.stride(0),
                  shift.stride(0), scale.stride(0)),
-        grid=(ceil_div(a.rows, config.block_t) + warming,), num_warps=config.num_warps,
-        constexprs=specialisation(a.hidden, a.gate is not None, a.has_norm, a.weight is not None,
-                                  a.rounding, config, interpreting(), sum_order, a.has_affine))
+        spec=ForwardSpecialisation.of(a, config, sum_order)))
 
 
 def launch_modulation(a: ModulationArgs, u: torch.Tensor | None, y: torch.Tensor | None, wrap,

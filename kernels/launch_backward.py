@@ -15,7 +15,8 @@ import torch
 
 from .arguments import ModulationArgs
 from .backward_kernel import modulation_backward_kernel, reduce_partials_kernel
-from .launch import ceil_div, interpreting
+from .launch_plan import KernelLaunch, specialisation
+from .runtime import ceil_div, interpreting
 
 BACKWARD_MAX_CHUNK = 2048  # columns of a row a program holds at a time: 4 per thread on 16 warps
 # Programs per SM: a program of site A or B holds two rows and three or four rows of fp32 sums in registers,
@@ -79,6 +80,44 @@ def backward_config(hidden: int, rows, device: torch.device, has_norm: bool = Tr
                           hoist_tables=not (has_norm and has_gate), early_streams=True)
 
 
+@specialisation(modulation_backward_kernel)
+class BackwardSpecialisation:
+    """The backward kernel's constexprs (``backward_kernel``'s module docstring gives their meaning), in its order:
+    the site, the rounding contract's ``ROUND_*`` (``contract.Rounding``), the gradients computed (``NEED_*``),
+    whether the rows are visited sorted by table row, the ``BackwardConfig``, ``INTERPRETED``."""
+
+    HIDDEN: int
+    HAS_GATE: bool
+    HAS_NORM: bool
+    HAS_WEIGHT: bool
+    ROUND_NORM: bool
+    ROUND_NORM_BEFORE_WEIGHT: bool
+    ROUND_AFFINE: bool
+    NEED_X: bool
+    NEED_BRANCH: bool
+    NEED_SHIFT: bool
+    NEED_SCALE: bool
+    NEED_GATE: bool
+    NEED_W: bool
+    SORTED: bool
+    PREFETCH: bool
+    HOIST_TABLES: bool
+    EARLY_STREAMS: bool
+    INTERPRETED: bool
+    CHUNK: int
+
+
+@specialisation(reduce_partials_kernel)
+class ReduceSpecialisation:
+    """The partial sums' reduction's constexprs: ``BLOCK`` columns a program, ``GROUPED`` (a table's gradient,
+    a row per table row) or not (the weight's)."""
+
+    HIDDEN: int
+    BLOCK: int
+    GROUPED: bool
+    INTERPRETED: bool
+
+
 def _empty_like_rows(a: ModulationArgs):
     return torch.empty((a.rows, a.hidden), dtype=a.dtype, device=a.device)
 
@@ -108,34 +147,37 @@ def launch_backward(a: ModulationArgs, u: torch.Tensor | None, dy: torch.Tensor 
     else:
         order = seg = a.index  # not read
 
+    dy_or_du = dy if dy is not None else du
+
     def partials(count, wanted):
         return torch.empty((count, a.hidden), dtype=torch.float32, device=a.device) if wanted else dy_or_du
 
-    dy_or_du = dy if dy is not None else du
     slots = config.programs + a.num_table_rows
     part = {name: partials(slots, wanted) for name, wanted in want.items()}
     part["weight"] = partials(config.programs, need_w)
+    # a tensor the site has not (or a gradient not asked for) is passed as an alias the kernel never reads
     rows_alias = u if u is not None else du
     table_alias = a.gate if has_gate else a.scale
     out_alias = next(iter(grads.values()), dy_or_du)
+    branch = a.branch if has_gate else rows_alias
     scale = a.scale if has_norm else table_alias
-    wrap(modulation_backward_kernel)[(config.programs,)](
-        rows_alias, a.branch if has_gate else rows_alias, table_alias, a.weight if a.weight is not None else scale,
-        scale, a.index, order, seg, dy if dy is not None else rows_alias, du if du is not None else rows_alias,
-        grads.get("lead", out_alias), grads.get("branch", out_alias),
-        part["shift"], part["scale"], part["gate"], part["weight"],
-        a.rows, a.num_table_rows, config.rows_per_program, a.eps,
-        rows_alias.stride(0), (a.branch if has_gate else rows_alias).stride(0), table_alias.stride(0),
-        scale.stride(0), (dy if dy is not None else rows_alias).stride(0),
-        (du if du is not None else rows_alias).stride(0),
-        HIDDEN=a.hidden, HAS_GATE=has_gate, HAS_NORM=has_norm, HAS_WEIGHT=a.weight is not None,
-        ROUND_NORM=a.rounding.norm_output, ROUND_NORM_BEFORE_WEIGHT=a.rounding.norm_before_weight,
-        ROUND_AFFINE=a.rounding.affine, NEED_X=needs.lead, NEED_BRANCH=needs.branch and has_gate,
-        NEED_SHIFT=want["shift"], NEED_SCALE=want["scale"], NEED_GATE=want["gate"], NEED_W=need_w,
-        SORTED=grouped, PREFETCH=config.prefetch, HOIST_TABLES=config.hoist_tables,
-        EARLY_STREAMS=config.early_streams, INTERPRETED=interpreting(), CHUNK=config.chunk,
-        num_warps=config.num_warps,
-    )
+    dy, du = (dy if dy is not None else rows_alias), (du if du is not None else rows_alias)
+    tensors = (rows_alias, branch, table_alias, a.weight if a.weight is not None else scale, scale, a.index, order,
+               seg, dy, du, grads.get("lead", out_alias), grads.get("branch", out_alias), part["shift"],
+               part["scale"], part["gate"], part["weight"])
+    rounding = a.rounding
+    KernelLaunch(
+        modulation_backward_kernel, grid=(config.programs,), num_warps=config.num_warps,
+        scalars=(a.rows, a.num_table_rows, config.rows_per_program, a.eps, rows_alias.stride(0), branch.stride(0),
+                 table_alias.stride(0), scale.stride(0), dy.stride(0), du.stride(0)),
+        spec=BackwardSpecialisation(
+            HIDDEN=a.hidden, HAS_GATE=has_gate, HAS_NORM=has_norm, HAS_WEIGHT=a.weight is not None,
+            ROUND_NORM=rounding.norm_output, ROUND_NORM_BEFORE_WEIGHT=rounding.norm_before_weight,
+            ROUND_AFFINE=rounding.affine, NEED_X=needs.lead, NEED_BRANCH=needs.branch and has_gate,
+            NEED_SHIFT=want["shift"], NEED_SCALE=want["scale"], NEED_GATE=want["gate"], NEED_W=need_w,
+            SORTED=grouped, PREFETCH=config.prefetch, HOIST_TABLES=config.hoist_tables,
+            EARLY_STREAMS=config.early_streams, INTERPRETED=interpreting(), CHUNK=config.chunk),
+    )(tensors, wrap)
     tables = {name: getattr(a, name) for name, wanted in want.items() if wanted}
     if need_w:
         tables["weight"] = a.weight
@@ -143,9 +185,11 @@ def launch_backward(a: ModulationArgs, u: torch.Tensor | None, dy: torch.Tensor 
         grouped_sum = name != "weight"
         out = torch.empty((table.shape[0], a.hidden) if grouped_sum else (a.hidden,), dtype=table.dtype,
                           device=a.device)
-        wrap(reduce_partials_kernel)[(ceil_div(a.hidden, REDUCE_BLOCK), table.shape[0] if grouped_sum else 1)](
-            part[name], out, seg, config.rows_per_program, config.programs, a.hidden if grouped_sum else 0,
-            HIDDEN=a.hidden, BLOCK=REDUCE_BLOCK, GROUPED=grouped_sum, INTERPRETED=interpreting(),
-        )
+        KernelLaunch(
+            reduce_partials_kernel, grid=(ceil_div(a.hidden, REDUCE_BLOCK), table.shape[0] if grouped_sum else 1),
+            num_warps=4, scalars=(config.rows_per_program, config.programs, a.hidden if grouped_sum else 0),
+            spec=ReduceSpecialisation(HIDDEN=a.hidden, BLOCK=REDUCE_BLOCK, GROUPED=grouped_sum,
+                                      INTERPRETED=interpreting()),
+        )((part[name], out, seg), wrap)
         grads[name] = out
     return grads

@@ -12,23 +12,24 @@ would not record it (``direct_call``), else the op: in eager the dispatcher's la
 than the kernel takes at small T. The body launches the kernel without ``wrap_triton`` on the same
 condition. The op (``public_function.op``) is what graphs hold and what ``opcheck`` checks.
 
-Their backward (``backward.py``) is ``h3_fused::modulation_backward``, a ``triton_op`` as well, so that
-Inductor inlines the backward kernels into the compiled backward graph as it inlines the forward's.
+Their autograd formulas (``autograd.py``) call ``h3_fused::modulation_backward`` (``backward.py``), a
+``triton_op`` as well, so that Inductor inlines the backward kernels into the compiled backward graph as it
+inlines the forward's.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
 
 import torch
-from torch.library import triton_op, wrap_triton
+from torch.library import triton_op
 
 from .arguments import ModulationArgs, check_args, check_index_on_host
-from .direct_call import MAX_LAYOUTS, call_layout, plan_direct_call, untraced
-from .launch import interpreting, launch_modulation, triton_allowed
+from .direct_call import MAX_LAYOUTS, call_layout, plan_direct_call
+from .launch import launch_modulation
 from .reference import reference_modulation
+from .runtime import launch_context, triton_allowed, untraced
 
 Tensor = torch.Tensor
 
@@ -56,22 +57,9 @@ def _run(a: ModulationArgs, raw: dict, want_u: bool, want_y: bool):
     return u, y
 
 
-@contextlib.contextmanager
-def launch_context(device: torch.device, values):
-    """The ``wrap`` to launch a kernel with (``wrap_triton`` for tracers; the identity where a call with these
-    argument ``values`` is untraced, and always under the interpreter, whose kernels torch 2.12's
-    ``wrap_triton`` refuses), inside the tensors' device: Triton launches on the current device, and neither
-    torch.library nor ``wrap_triton``'s eager launch sets a device guard for a Python kernel (a compiled
-    graph's code guards its own device; a tracer entering it changes nothing it records)."""
-    direct = interpreting() or untraced(values)
-    elsewhere = device.type == "cuda" and device.index != torch.cuda.current_device()
-    with torch.cuda.device(device) if elsewhere else contextlib.nullcontext():
-        yield (lambda kernel: kernel) if direct else wrap_triton
-
-
 class PublicOp:
     """The public function of the ``triton_op`` ``h3_fused::name`` whose body is ``body`` (registered here; its
-    autograd formula in ``backward.py``): a call goes through the dispatcher (``dispatched``,
+    autograd formula in ``autograd.py``): a call goes through the dispatcher (``dispatched``,
     ``torch.ops.h3_fused.name``) unless ``direct_call.call_layout`` lets it skip it; then, where ``plans`` (a
     forward op's ``direct_call.plan_direct_call``) gives a ``DirectLaunch`` for the call's layout, it launches
     from that (worked out at the first call of the layout, kept in ``launches``), else it runs the body.

@@ -1,5 +1,5 @@
-"""Shared helpers of the tests: site tensors and their eager spellings, tiny models, counting fused sites,
-compiling a function with h3_fused against eager."""
+"""Shared helpers of the tests: tiny models, counting fused sites, compiling a function with h3_fused against eager
+(the sites' tensors and eager spellings are ``h3_fused.kernels.testing``'s, which the benchmarks share)."""
 
 from __future__ import annotations
 
@@ -103,40 +103,6 @@ def assert_bf16_policy(got, expected):
         assert torch.equal(got, expected), "bf16 (and auto on the CPU) must be bit-identical to eager"
     else:
         torch.testing.assert_close(got, expected, rtol=0.05, atol=0.02 * expected.abs().max().item())
-
-
-def make_site_tensors(tokens=33, hidden=96, rows=6, dtype=bf16, table_dtype=None, lead=None, seed=0, index_dtype=torch.int64):
-    g = torch.Generator().manual_seed(seed)
-    table_dtype = table_dtype or dtype
-    shape = (*(lead or (tokens,)), hidden)
-    tables = (0.3 * torch.randn(rows, 6 * hidden, generator=g)).to(table_dtype).chunk(6, dim=-1)
-    return dict(
-        x=torch.randn(shape, generator=g).to(dtype),
-        branch=torch.randn(shape, generator=g).to(dtype),
-        weight=(1 + 0.1 * torch.randn(hidden, generator=g)).to(dtype),
-        shift=tables[0], scale=tables[1], gate=tables[2],
-        index=torch.randint(0, rows, shape[:-1], generator=g).to(index_dtype),
-    )
-
-
-def eager_norm(x, weight, eps, native):
-    if not native:
-        return F.rms_norm(x, (x.shape[-1],), weight, eps)
-    x32 = x.float()
-    n = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-    return n * weight if weight is not None else n
-
-
-def eager_modulate(n, shift, scale, idx, upcast):
-    if upcast:
-        shift, scale = shift.float(), scale.float()
-    return (n * (1.0 + scale[idx.long()]) + shift[idx.long()]).to(n.dtype)
-
-
-def eager_gate(res, gate, branch, idx, upcast):
-    if upcast:
-        gate = gate.float()
-    return (res + gate[idx.long()] * branch).to(res.dtype)
 
 
 H, K, T = 64, 6, 16

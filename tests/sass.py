@@ -15,9 +15,11 @@ import subprocess
 import tempfile
 
 import triton
+from h3_fused.kernels.arguments import check_args
 from h3_fused.kernels.forward_kernel import modulation_kernel
-from h3_fused.kernels.launch import specialisation
-from sites import shipped_launch_config, shipped_sum_order, site_rounding
+from h3_fused.kernels.launch import ForwardSpecialisation
+from h3_fused.kernels.launch_plan import constexprs
+from h3_fused.kernels.testing import make_inputs, shipped_launch_config, shipped_sum_order
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
@@ -33,10 +35,11 @@ def compile_site(site: str, policy: str, hidden: int, config=None, index: str = 
     count, for an index of Triton type ``index`` (``"i64"`` or ``"i32"``) and the ``nn.RMSNorm`` spelling or
     the native one (``native``); ``constants``: scalar arguments made constants, as Triton does with a value
     of 1 (e.g. ``{"n_rows": 1}``)."""
-    gate, norm = site in "BC", site in "AB"
     config = config or shipped_launch_config(site, hidden, None, policy, native)
-    constants = specialisation(hidden, gate, norm, norm, site_rounding(site, policy, native), config, False,
-                               shipped_sum_order(site, hidden, None, policy, native)) | (constants or {})
+    flags = dict(norm_rounds_before_weight=native) if site != "C" else {}
+    a = check_args(**make_inputs(site, 1, hidden, device="cpu"), **flags, policy=policy, has_norm=site != "C")
+    spec = ForwardSpecialisation.of(a, config, shipped_sum_order(site, hidden, None, policy, native))
+    constants = constexprs(spec) | dict(INTERPRETED=False) | (constants or {})
     signature = {name: "*bf16" for name in POINTERS} | {"idx_ptr": f"*{index}"} | SCALARS
     signature |= {name: "constexpr" for name in constants}
     names = modulation_kernel.arg_names
@@ -45,7 +48,7 @@ def compile_site(site: str, policy: str, hidden: int, config=None, index: str = 
                        constexprs={(names.index(k),): v for k, v in constants.items()},
                        attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
     return triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=config.num_warps, debug=True))
+                          options=dict(num_warps=config.num_warps, debug=True, enable_fp_fusion=True))
 
 
 def _cuobjdump(cubin: bytes, what: str) -> str:

@@ -1,4 +1,4 @@
-"""``benchmarks/sites.py``'s side-by-side launches and the hand-fused baseline, on small CPU tensors under
+"""``benchmarks/harness.py``'s side-by-side launches and the hand-fused baseline, on small CPU tensors under
 Triton's interpreter (``TRITON_INTERPRET=1 pytest -m interpreted``)."""
 
 from __future__ import annotations
@@ -7,8 +7,9 @@ import dataclasses
 
 import pytest
 import torch
+from h3_fused.kernels.testing import eager_site, kernel_launch, make_inputs
 from hand_fused import hand_fused_site
-from sites import calls_agree, eager_site, kernel_launch, make_inputs
+from harness import calls_agree
 
 pytestmark = pytest.mark.interpreted
 
@@ -47,6 +48,7 @@ def test_the_hand_fused_baseline_refuses_other_policies():
 @pytest.mark.parametrize("native", [False, True], ids=["nn_rms_norm", "native"])
 def test_a_free_sum_order_launch_keeps_the_policy_but_adds_the_squares_in_the_kernels_order(native, monkeypatch):
     from h3_fused.kernels import launch as launch_module
+    from h3_fused.kernels.contract import SumOrder
 
     launched = []
     real_launch = launch_module.launch_modulation
@@ -55,7 +57,8 @@ def test_a_free_sum_order_launch_keeps_the_policy_but_adds_the_squares_in_the_ke
     inputs = dict(make_inputs("A", 20, 128, device="cpu"), norm_rounds_before_weight=native)
     eager_order, free_order = (kernel_launch("A", inputs, "bf16", free_sum_order=free) for free in (False, True))
     eager_order(), free_order()
-    assert [a.rounding.norm_sum_order for a in launched] == ["mean" if native else "fused_rms_norm", None]
+    assert [a.rounding.norm_sum_order for a in launched] == [SumOrder.MEAN if native else SumOrder.FUSED_RMS_NORM,
+                                                             SumOrder.OWN]
     assert dataclasses.replace(launched[1].rounding, norm_sum_order=launched[0].rounding.norm_sum_order) == \
         launched[0].rounding, "the policy's other roundings are kept"
     # the same values but for the last place the sum's order moves

@@ -7,39 +7,29 @@ once: closer to fp64.
 
 import pytest
 import torch
-from h3_fused.kernels import gate_norm_modulate, gate_residual, modulation_backward, norm_modulate
-from helpers import eager_gate, eager_modulate, eager_norm, make_site_tensors
+from h3_fused.kernels import modulation_backward
+from h3_fused.kernels.testing import eager_site, fused_site, make_inputs, site_tensors
 
 bf16, f64 = torch.bfloat16, torch.float64
 SITE_INPUTS = {"A": ("x", "weight", "shift", "scale", "index"),
-               "B": ("x", "gate", "branch", "weight", "shift", "scale", "index"),
-               "C": ("x", "gate", "branch", "index")}
+               "B": ("residual", "gate", "branch", "weight", "shift", "scale", "index"),
+               "C": ("residual", "gate", "branch", "index")}
 
 
 def fused(site, policy="bf16", native=False, upcast=False):
-    norm = dict(eps=1e-5, policy=policy, norm_rounds_before_weight=native, upcast_tables=upcast)
-    return {"A": lambda x, weight, shift, scale, index: norm_modulate(x, weight, shift, scale, index, **norm),
-            "B": lambda x, gate, branch, weight, shift, scale, index: gate_norm_modulate(
-                x, gate, branch, weight, shift, scale, index, **norm),
-            "C": lambda x, gate, branch, index: gate_residual(x, gate, branch, index, policy=policy,
-                                                             upcast_tables=upcast)}[site]
+    return fused_site(site, policy, norm_rounds_before_weight=native, upcast_tables=upcast) if site != "C" else \
+        fused_site(site, policy, upcast_tables=upcast)
 
 
 def eager(site, native=False, upcast=False):
-    def a(x, weight, shift, scale, index):
-        return eager_modulate(eager_norm(x, weight, 1e-5, native), shift, scale, index, upcast)
-
-    def b(x, gate, branch, weight, shift, scale, index):
-        u = eager_gate(x, gate, branch, index, upcast)
-        return u, a(u, weight, shift, scale, index)
-
-    return {"A": a, "B": b, "C": lambda x, gate, branch, index: eager_gate(x, gate, branch, index, upcast)}[site]
+    return eager_site(site, native, upcast)
 
 
 def gradients(fn, tensors: dict, wrt, seed=1):
     """``{name: grad}`` of a fixed random projection of ``fn``'s outputs, with respect to ``wrt`` (the projection's
     values are bf16 numbers: the incoming gradients are the same in a bf16 and an fp64 graph)."""
-    leaves = {k: v.detach().clone().requires_grad_(k in wrt) for k, v in tensors.items()}
+    leaves = {k: v.detach().clone().requires_grad_(k in wrt) if isinstance(v, torch.Tensor) else v
+              for k, v in tensors.items()}
     outputs = fn(**leaves)
     outputs = outputs if isinstance(outputs, tuple) else (outputs,)
     g = torch.Generator().manual_seed(seed)
@@ -48,12 +38,15 @@ def gradients(fn, tensors: dict, wrt, seed=1):
     return {k: leaves[k].grad for k in wrt}
 
 
-def site_tensors(site, dtype=bf16, **kw):
-    t = make_site_tensors(dtype=dtype, **kw)
-    return {k: t[k] for k in SITE_INPUTS[site]}
+def inputs(site, tokens, hidden, table_rows=6, dtype=bf16):
+    return make_inputs(site, tokens, hidden, table_rows, device="cpu", dtype=dtype)
 
 
-def float_grads(site, native=False, **kw):
+def in_fp64(t: dict) -> dict:
+    return {k: v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in t.items()}
+
+
+def float_grads(site):
     return set(SITE_INPUTS[site]) - {"index"}
 
 
@@ -61,20 +54,21 @@ def float_grads(site, native=False, **kw):
 @pytest.mark.parametrize("native", [False, True])
 def test_gradcheck_in_fp64(site, native):
     """``torch.autograd.gradcheck``: the backward's formulas against finite differences, every input."""
-    t = site_tensors(site, dtype=f64, tokens=5, hidden=8, rows=3)
+    t = inputs(site, 5, 8, 3, dtype=f64)
     names = SITE_INPUTS[site]
     args = tuple(t[k].requires_grad_(k != "index") for k in names)
-    assert torch.autograd.gradcheck(lambda *a: fused(site, native=native)(**dict(zip(names, a))), args)
+    assert torch.autograd.gradcheck(lambda *a: fused(site, native=native)(**dict(zip(names, a)), eps=t.get("eps")),
+                                    args)
 
 
 @pytest.mark.parametrize("site", ["A", "B", "C"])
 @pytest.mark.parametrize("native", [False, True])
 @pytest.mark.parametrize("upcast", [False, True])
 def test_bf16_activation_gradients_are_eagers_bit_for_bit(site, native, upcast):
-    t = site_tensors(site, tokens=37, hidden=96)
+    t = inputs(site, 37, 96)
     wrt = float_grads(site)
     got, ref = gradients(fused(site, "bf16", native, upcast), t, wrt), gradients(eager(site, native, upcast), t, wrt)
-    for name in ("x", "branch") + (("weight",) if not native and site != "C" else ()):
+    for name in ("x", "residual", "branch") + (("weight",) if not native and site != "C" else ()):
         if name in wrt:
             assert torch.equal(got[name], ref[name]), name
 
@@ -85,10 +79,9 @@ def test_bf16_activation_gradients_are_eagers_bit_for_bit(site, native, upcast):
 def test_every_gradient_is_as_close_to_fp64_as_eagers(site, policy, native):
     """Against the fp64 gradient of the fp64 graph: each of ours within eager's mean error (the tables' and the
     native weight's well inside it: summed in fp32, rounded once)."""
-    t = site_tensors(site, tokens=300, hidden=64, rows=6)
+    t = inputs(site, 300, 64, 6)
     wrt = float_grads(site)
-    exact = gradients(eager(site, native), {k: v.double() if v.is_floating_point() else v for k, v in t.items()},
-                      wrt)
+    exact = gradients(eager(site, native), in_fp64(t), wrt)
     got, ref = gradients(fused(site, policy, native), t, wrt), gradients(eager(site, native), t, wrt)
     for name in wrt:
         ours, eagers = ((g[name].double() - exact[name]).abs().mean().item() for g in (got, ref))
@@ -99,9 +92,9 @@ def test_every_gradient_is_as_close_to_fp64_as_eagers(site, policy, native):
 def test_table_gradients_are_summed_in_fp32_and_rounded_once(site):
     """Many rows into few table rows: ``dshift``, the sum of ``dy``, is its fp64 sum rounded to bf16 (within the
     rounding's half place and fp32's error); every table gradient is closer to fp64 than eager's bf16 sum."""
-    t = site_tensors(site, tokens=4000, hidden=32, rows=3)
+    t = inputs(site, 4000, 32, 3)
     wrt = float_grads(site)
-    exact = gradients(eager(site), {k: v.double() if v.is_floating_point() else v for k, v in t.items()}, wrt)
+    exact = gradients(eager(site), in_fp64(t), wrt)
     got, ref = gradients(fused(site), t, wrt), gradients(eager(site), t, wrt)
     if "shift" in wrt:
         assert ((got["shift"].double() - exact["shift"]).abs() <= exact["shift"].abs() * 2 ** -8 * 1.001).all()
@@ -111,7 +104,7 @@ def test_table_gradients_are_summed_in_fp32_and_rounded_once(site):
 
 @pytest.mark.parametrize("site", ["A", "B", "C"])
 def test_gradients_are_the_same_bits_on_every_run(site):
-    t = site_tensors(site, tokens=500, hidden=64)
+    t = inputs(site, 500, 64)
     wrt = float_grads(site)
     first, second = gradients(fused(site), t, wrt), gradients(fused(site), t, wrt)
     assert all(torch.equal(first[k], second[k]) for k in wrt)
@@ -119,10 +112,10 @@ def test_gradients_are_the_same_bits_on_every_run(site):
 
 def test_only_the_gradients_asked_for_are_computed():
     """LoRA-like: frozen tables and weight; ``modulation_backward`` returns empty tensors for what is not asked."""
-    t = site_tensors("B", tokens=9, hidden=64)
-    grads = gradients(fused("B"), t, {"x", "branch"})
-    assert set(grads) == {"x", "branch"} and all(g is not None for g in grads.values())
-    t = make_site_tensors(tokens=9, hidden=64)
+    t = inputs("B", 9, 64)
+    grads = gradients(fused("B"), t, {"residual", "branch"})
+    assert set(grads) == {"residual", "branch"} and all(g is not None for g in grads.values())
+    t = site_tensors(tokens=9, hidden=64)
     dy = torch.randn(9, 64).to(bf16)
     out = modulation_backward(t["x"], None, None, t["weight"], t["shift"], t["scale"], t["index"], dy, None,
                               eps=1e-5, policy="bf16", norm_rounds_before_weight=False, upcast_tables=False,
@@ -132,7 +125,7 @@ def test_only_the_gradients_asked_for_are_computed():
 
 
 def test_double_backward_is_refused_clearly():
-    t = site_tensors("A", tokens=4, hidden=64)
+    t = inputs("A", 4, 64)
     x = t["x"].clone().requires_grad_()
     y = fused("A")(**dict(t, x=x))
     (grad,) = torch.autograd.grad(y.float().sum(), x, create_graph=False)
@@ -143,7 +136,7 @@ def test_double_backward_is_refused_clearly():
 
 
 def test_an_incoming_gradient_of_another_shape_is_refused_naming_it():
-    t = make_site_tensors(tokens=4, hidden=64)
+    t = site_tensors(tokens=4, hidden=64)
     with pytest.raises(ValueError, match="dy must have the shape of the activations"):
         modulation_backward(t["x"], None, None, t["weight"], t["shift"], t["scale"], t["index"],
                             torch.zeros(3, 64, dtype=bf16), None, eps=1e-5, policy="bf16",
@@ -154,7 +147,8 @@ def test_an_incoming_gradient_of_another_shape_is_refused_naming_it():
 def test_opcheck_with_autograd(site):
     """``torch.library.opcheck``: schema, fake tensors, the autograd registration and AOT dispatch (with the
     backward) of the forward op, and the backward op itself."""
-    t = make_site_tensors(tokens=9, hidden=64)
+    t = site_tensors(tokens=9, hidden=64)
+    t["residual"] = t["x"]
     op = {"A": torch.ops.h3_fused.norm_modulate, "B": torch.ops.h3_fused.gate_norm_modulate,
           "C": torch.ops.h3_fused.gate_residual}[site].default
     args = tuple(t[k].requires_grad_(k != "index") for k in SITE_INPUTS[site])

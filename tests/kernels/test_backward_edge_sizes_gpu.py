@@ -12,27 +12,18 @@ import itertools
 
 import pytest
 import torch
-from h3_fused.kernels.backward import _forward_args, _rows
 from h3_fused.kernels.launch_backward import Needs, backward_config, launch_backward
 from h3_fused.kernels.reference import reference_backward
-from sites import make_inputs
+from h3_fused.kernels.testing import backward_inputs
 
 pytestmark = pytest.mark.gpu
 ONLY_ACTIVATIONS = Needs(gate=False, weight=False, shift=False, scale=False)
 
 
 def saved(site, tokens, hidden, policy):
-    t = make_inputs(site, tokens, hidden, table_rows=3, seed=tokens)
-    t["index"][-1] = 2  # the last row reads the last table row
-    g = torch.Generator(device="cuda").manual_seed(hidden)
-    incoming = {name: torch.randn(tokens, hidden, generator=g, device="cuda").to(torch.bfloat16)
-                for name in ("dy", "du")}
-    lead = t.pop("x", None) if site == "A" else t.pop("residual")
-    values = dict(u=lead if site != "C" else None, branch=t.get("branch"), gate=t.get("gate"), weight=t.get("weight"),
-                  shift=t.get("shift"), scale=t.get("scale"), index=t["index"],
-                  dy=incoming["dy"] if site != "C" else None, du=incoming["du"] if site != "A" else None)
-    a = _forward_args(**values, eps=1e-5, policy=policy, norm_rounds_before_weight=False, upcast_tables=False)
-    return a, (_rows(values["u"], a, "u"), _rows(values["dy"], a, "dy"), _rows(values["du"], a, "du"))
+    a, rows = backward_inputs(site, tokens, hidden, table_rows=3, seed=tokens, policy=policy)
+    a.index[-1] = 2  # the last row reads the last table row
+    return a, rows
 
 
 @pytest.mark.parametrize("variant", ["shipped", "one_row_per_program", "no_prefetch", "tables_and_streams_toggled"])

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from sites import eager_site, fused_site, make_inputs
+from h3_fused.kernels.testing import eager_site, fused_site, make_inputs
 
 pytestmark = pytest.mark.gpu
 TABLES = ("gate", "shift", "scale")

@@ -12,9 +12,10 @@ import itertools
 
 import pytest
 import torch
-from h3_fused.kernels.backward import _forward_args, _rows
+from h3_fused.kernels.backward import SavedSite, rows_of
 from h3_fused.kernels.launch_backward import BackwardConfig, Needs, launch_backward
 from h3_fused.kernels.reference import reference_backward
+from h3_fused.kernels.testing import site_tensors
 
 pytestmark = pytest.mark.interpreted
 bf16 = torch.bfloat16
@@ -24,22 +25,20 @@ SITES = {"A": ("u", "weight", "shift", "scale", "dy"), "B": ("u", "branch", "gat
 
 def saved(site, tokens, hidden, table_rows, seed=0, runs=False, weighted=True):
     """What a site's backward receives: the forward's saved values and the incoming gradients."""
-    g = torch.Generator().manual_seed(seed)
-    tables = (0.3 * torch.randn(table_rows, 6 * hidden, generator=g)).to(bf16).chunk(6, -1)
-    index = torch.randint(0, table_rows, (tokens,), generator=g)
-    every = dict(u=torch.randn(tokens, hidden, generator=g).to(bf16), branch=torch.randn(tokens, hidden, generator=g).to(bf16),
-                 gate=tables[2], weight=(1 + 0.1 * torch.randn(hidden, generator=g)).to(bf16), shift=tables[0],
-                 scale=tables[1], dy=torch.randn(tokens, hidden, generator=g).to(bf16),
-                 du=torch.randn(tokens, hidden, generator=g).to(bf16))
+    every = site_tensors(tokens, hidden, table_rows, seed=seed, index_layout="runs" if runs else "uniform")
+    every["u"] = every.pop("x")
+    every["dy"], every["du"] = (site_tensors(tokens, hidden, table_rows, seed=seed + n)["x"] for n in (1, 2))
     kept = {k: (v if k in SITES[site] else None) for k, v in every.items()}
     if not weighted:
         kept["weight"] = None
-    return dict(kept, index=index.sort().values if runs else index)
+    return dict(kept, index=every["index"])
 
 
 def both(t, policy, native, needs, config=None):
-    a = _forward_args(**t, eps=1e-5, policy=policy, norm_rounds_before_weight=native, upcast_tables=False)
-    rows = (_rows(t["u"], a, "u"), _rows(t["dy"], a, "dy"), _rows(t["du"], a, "du"))
+    saved = SavedSite(t["u"], t["branch"], t["gate"], t["weight"], t["shift"], t["scale"], t["index"], eps=1e-5,
+                      policy=policy, norm_rounds_before_weight=native, upcast_tables=False)
+    a = saved.forward_args(t["du"])
+    rows = tuple(rows_of(t[name], a, name) for name in ("u", "dy", "du"))
     return launch_backward(a, *rows, needs, lambda kernel: kernel, config), reference_backward(a, *rows, needs)
 
 

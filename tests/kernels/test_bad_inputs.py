@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from h3_fused.kernels import norm_modulate
-from sites import eager_site, fused_site, make_inputs
+from h3_fused.kernels.testing import eager_site, fused_site, make_inputs
 
 bf16 = torch.bfloat16
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]

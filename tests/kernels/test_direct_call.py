@@ -4,14 +4,14 @@ moded, transformed, profiled or grad-recording call goes through the dispatcher 
 import pytest
 import torch
 from h3_fused.kernels import gate_norm_modulate, gate_residual, norm_modulate
-from h3_fused.kernels.direct_call import untraced
-from test_ops_cpu import make as make_inputs
+from h3_fused.kernels.runtime import untraced
+from h3_fused.kernels.testing import site_tensors as make_inputs
 from torch.utils._python_dispatch import TorchDispatchMode
 
 
 def make():
     """``test_ops_cpu.make``'s inputs, the weight as a model holds it: an ``nn.Parameter``."""
-    t = make_inputs(tokens=8, hidden=64, rows=3)
+    t = make_inputs(tokens=8, hidden=64, table_rows=3)
     t["weight"] = torch.nn.Parameter(t["weight"], requires_grad=False)
     return t
 
@@ -156,7 +156,7 @@ def planned(monkeypatch):
 def test_a_layout_is_planned_once_and_later_calls_launch_from_it(planned, dispatched_calls):
     """The kernel launched directly from the plan of the first call's layout, on new values of that layout,
     gives the dispatched op's outputs; another row count is another layout."""
-    first, later = make(), make_inputs(tokens=8, hidden=64, rows=3, seed=1)
+    first, later = make(), make_inputs(tokens=8, hidden=64, table_rows=3, seed=1)
     call_each(first)
     assert planned == ["x", "residual", "residual"]
     for launches in (norm_modulate.launches, gate_norm_modulate.launches, gate_residual.launches):
@@ -172,7 +172,7 @@ def test_a_layout_is_planned_once_and_later_calls_launch_from_it(planned, dispat
                 gate_residual.dispatched(later["x"], later["gate"], later["branch"], later["index"], policy="bf16"))
     for got, want in zip(direct, expected):
         assert torch.equal(got, want)
-    call_each(make_inputs(tokens=9, hidden=64, rows=3))
+    call_each(make_inputs(tokens=9, hidden=64, table_rows=3))
     assert len(planned) == 6
 
 
@@ -210,7 +210,7 @@ def test_the_layouts_kept_are_bounded(planned, monkeypatch):
 
     monkeypatch.setattr(ops, "MAX_LAYOUTS", 2)
     for tokens in (3, 4, 5):
-        gate_residual(*(make_inputs(tokens=tokens, hidden=8, rows=2)[k] for k in ("x", "gate", "branch", "index")))
+        gate_residual(*(make_inputs(tokens=tokens, hidden=8, table_rows=2)[k] for k in ("x", "gate", "branch", "index")))
     assert [key[2][0][0][0] for key in gate_residual.launches] == [4, 5]
 
 
@@ -218,7 +218,7 @@ def test_the_layouts_kept_are_bounded(planned, monkeypatch):
 def test_a_row_strided_view_launches_from_its_plan_in_place(planned):
     """Activations ``[B, T, H]`` read in place from a wider tensor (row stride 200) and an index ``[B, T]``: the
     layout has a plan, and its outputs are the dispatched op's."""
-    t = make_inputs(lead=(2, 5), hidden=64, rows=3)
+    t = make_inputs(lead=(2, 5), hidden=64, table_rows=3)
     wide = torch.randn(2, 5, 200).to(torch.bfloat16)
     x = wide[..., 10:74]
     assert x.stride() == (1000, 200, 1)
@@ -239,24 +239,26 @@ def test_a_compiled_launch_passes_every_kernel_argument_in_the_kernels_order():
 
     from h3_fused.kernels.arguments import check_args
     from h3_fused.kernels.forward_kernel import modulation_kernel
-    from h3_fused.kernels.launch import no_launch_hooks, plan_launch
+    from h3_fused.kernels.launch import ForwardLaunch, plan_launch
+    from h3_fused.kernels.launch_plan import constexprs
+    from h3_fused.kernels.private_api import no_launch_hooks
 
     t = make()
     a = check_args(**{k: t[k] for k in ("x", "weight", "shift", "scale", "index")}, residual=None, branch=None,
                    gate=None, eps=1e-5, policy="bf16", norm_rounds_before_weight=False, upcast_tables=False,
                    has_norm=True)
-    launch = plan_launch(a)
+    plan = plan_launch(a)
     calls = []
     compiled = SimpleNamespace(run=lambda *args: calls.append(args), function="f", packed_metadata="m",
                                metadata=None)
-    tensors = [getattr(a, slot) for slot in launch.slots]
+    inputs = [getattr(a, slot) for slot in plan.slots]
     y = torch.empty_like(a.x)
-    launch.bind(compiled)(tensors, None, y, stream=7)
+    plan.launch.bind(compiled)(ForwardLaunch.tensors(inputs, None, y), stream=7)
     (args,) = calls
-    assert args[:9] == (launch.grid[0], 1, 1, 7, "f", "m", None, None, None)
+    assert args[:9] == (plan.launch.grid[0], 1, 1, 7, "f", "m", None, None, None)
     by_name = dict(zip(modulation_kernel.arg_names, args[9:], strict=True))
-    assert [by_name[name] for name in modulation_kernel.arg_names[:8]] == tensors
+    assert [by_name[name] for name in modulation_kernel.arg_names[:8]] == inputs
     assert by_name["u_ptr"] is y and by_name["y_ptr"] is y
-    assert all(by_name[name] == value for name, value in launch.constexprs.items())
-    assert launch.bind(SimpleNamespace()) is None
+    assert all(by_name[name] == value for name, value in constexprs(plan.launch.spec).items())
+    assert plan.launch.bind(SimpleNamespace()) is None
     assert no_launch_hooks()

@@ -17,7 +17,7 @@ import torch
 from h3_fused.kernels.arguments import check_args
 from h3_fused.kernels.launch import FEW_ROWS, launch_config, launch_modulation, norm_sum_order
 from h3_fused.kernels.reference import reference_modulation
-from sites import kernel_launch, make_inputs
+from h3_fused.kernels.testing import kernel_launch, make_inputs
 
 pytestmark = pytest.mark.gpu
 SITES_HAVE = {"A": (False, True), "B": (True, True), "C": (True, False)}  # (gate, norm)

@@ -16,7 +16,13 @@ import triton.language as tl
 from exact_rounding import assert_fp32_gated_residual_rounds_once
 from h3_fused.kernels import gate_norm_modulate, gate_residual, launch, norm_modulate
 from h3_fused.kernels.arguments import check_args
-from h3_fused.kernels.forward_kernel import _add_squares_as_fused_rms_norm, _add_squares_as_mean, _eager_norm_mean
+from h3_fused.kernels.contract import SumOrder
+from h3_fused.kernels.forward_kernel import (
+    FUSED_RMS_NORM_ORDER,
+    _add_squares_as_fused_rms_norm,
+    _add_squares_as_mean,
+    _eager_norm_mean,
+)
 from h3_fused.kernels.reference import reference_modulation
 
 pytestmark = pytest.mark.interpreted
@@ -217,11 +223,11 @@ def eager_order_means(x_ptr, out_ptr, n_rows, HIDDEN: tl.constexpr, CHUNK: tl.co
     chunk as the kernel calls them; ``n_rows``: the row count the mean's factor takes."""
     rows = tl.arange(0, ROWS)
     zero = tl.zeros([ROWS, 1], tl.int32)
-    partial = tl.zeros([ROWS, CHUNK // 4 if NORM_SUM_ORDER == 1 else CHUNK], tl.float32)
+    partial = tl.zeros([ROWS, CHUNK // 4 if NORM_SUM_ORDER == FUSED_RMS_NORM_ORDER else CHUNK], tl.float32)
     for c in tl.static_range(triton.cdiv(HIDDEN, CHUNK)):
         cols = c * CHUNK + tl.arange(0, CHUNK)
         u = tl.load(x_ptr + rows[:, None] * HIDDEN + cols[None, :], mask=(cols < HIDDEN)[None, :], other=0.0)
-        if NORM_SUM_ORDER == 1:
+        if NORM_SUM_ORDER == FUSED_RMS_NORM_ORDER:
             partial = _add_squares_as_fused_rms_norm(partial, u.to(tl.float32))
         else:
             partial = _add_squares_as_mean(partial, u.to(tl.float32), zero)
@@ -229,20 +235,20 @@ def eager_order_means(x_ptr, out_ptr, n_rows, HIDDEN: tl.constexpr, CHUNK: tl.co
                                               NORM_SUM_ORDER))
 
 
-@pytest.mark.parametrize("order, hidden", [("fused_rms_norm", h) for h in (4, 64, 128, 200, 1024, 2052)]
-                         + [("mean", h) for h in (128, 200, 1024, 2052)])
+@pytest.mark.parametrize("order, hidden", [(SumOrder.FUSED_RMS_NORM, h) for h in (4, 64, 128, 200, 1024, 2052)]
+                         + [(SumOrder.MEAN, h) for h in (128, 200, 1024, 2052)])
 def test_the_norm_mean_takes_the_order_of_eagers_kernel(order, hidden):
     """``NORM_SUM_ORDER``'s device functions, with the chunks the launch gives them, against each eager kernel's
     order written out add by add: the same fp32 mean, bit for bit, on data whose sums depend on the order
     (and, for the mean, a row count whose product with H is not an fp32 integer)."""
-    from h3_fused.kernels.launch import SUM_ORDERS, sum_order_chunk
+    from h3_fused.kernels.launch import sum_order_chunk
 
     g = torch.Generator().manual_seed(hidden)
     x = (torch.randn(8, hidden, generator=g) * torch.logspace(-3, 3, hidden)[torch.randperm(hidden, generator=g)]).to(bf16)
     got, counted = torch.empty(8), 100_003
-    eager_order_means[(1,)](x, got, counted, HIDDEN=hidden, CHUNK=sum_order_chunk(hidden, SUM_ORDERS[order]), ROWS=8,
-                            NORM_SUM_ORDER=SUM_ORDERS[order])
-    expected = eager_fused_rms_norm_mean(x) if order == "fused_rms_norm" else eager_mean_of_squares(x, counted)
+    eager_order_means[(1,)](x, got, counted, HIDDEN=hidden, CHUNK=sum_order_chunk(hidden, order), ROWS=8,
+                            NORM_SUM_ORDER=int(order))
+    expected = eager_fused_rms_norm_mean(x) if order is SumOrder.FUSED_RMS_NORM else eager_mean_of_squares(x, counted)
     assert torch.equal(got, expected)
     if hidden > 4:  # one vector: a single thread's sum, in any order
         assert not torch.equal(expected * hidden, x.float().square().sum(-1)), "the data must make the order matter"

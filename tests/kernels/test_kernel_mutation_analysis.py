@@ -7,7 +7,7 @@ several pointer arguments a site does not use, and compiled graphs around it the
 outputs (the analysis stops at any ``tl.inline_asm_elementwise``, "an op
 we do not know how to analyze", and at ``.to`` on an integer argument Triton made a constant). These
 tests run the analysis without a GPU, for a Hopper target, on the exact arguments ``launch_modulation``
-passes (captured through ``sites.kernel_launch``), for every site, both policies, the builds for many rows and for few, and one table row (an
+passes (captured through ``h3_fused.kernels.testing.kernel_launch``), for every site, both policies, the builds for many rows and for few, and one table row (an
 argument Triton specialises to a constant) as well as several.
 """
 
@@ -17,7 +17,7 @@ import pytest
 import torch
 import triton
 from h3_fused.kernels.forward_kernel import modulation_kernel
-from sites import kernel_launch, make_inputs, shipped_launch_config
+from h3_fused.kernels.testing import kernel_launch, make_inputs, shipped_launch_config
 from torch._higher_order_ops.triton_kernel_wrap import get_mutated_tensors, kernel_side_table
 from triton.backends.compiler import GPUTarget
 
@@ -60,7 +60,7 @@ class _Captured:
         return self
 
     def __getitem__(self, grid):
-        def record(*args, num_warps, **constexprs):
+        def record(*args, num_warps, enable_fp_fusion, **constexprs):
             self.arguments = dict(zip(modulation_kernel.arg_names, args)) | constexprs
 
         return record

@@ -15,8 +15,8 @@ from __future__ import annotations
 import re
 
 import pytest
+from h3_fused.kernels.testing import shipped_launch_config
 from sass import compile_site, instructions
-from sites import shipped_launch_config
 
 HIDDEN = 5376
 PREDICATE = re.compile(r"^@!?U?P\w+\s+")

@@ -4,7 +4,7 @@ import math
 
 import pytest
 import torch
-from helpers import make_site_tensors as make
+from h3_fused.kernels.testing import site_tensors as make
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -52,12 +52,13 @@ def test_eager_sum_orders_take_chunks_of_one_vector_per_eager_thread(hidden, sit
     4 warps, or the whole padded row where it is shorter, the rows per program as without it; in the mean's
     order, chunks of one vector per lane of a warp (at most 32 lanes), one row a program on 2 warps; site A's
     tables warmed as the kernel starts in every order."""
+    from h3_fused.kernels.contract import SumOrder
     from h3_fused.kernels.launch import MEAN_ORDER_WARPS, MIN_WARPS, launch_config
 
-    fused, other = launch_config(hidden, *site, rows, sum_order=1), launch_config(hidden, *site, rows)
+    fused, other = launch_config(hidden, *site, rows, SumOrder.FUSED_RMS_NORM), launch_config(hidden, *site, rows)
     assert (fused.chunk, fused.num_warps, fused.block_t) == (min(512, 1 << (hidden - 1).bit_length()), MIN_WARPS,
                                                              other.block_t)
-    mean = launch_config(hidden, *site, rows, sum_order=2)
+    mean = launch_config(hidden, *site, rows, SumOrder.MEAN)
     lanes = min(32, 1 << ((hidden // 4).bit_length() - 1))
     assert (mean.chunk, mean.num_warps, mean.block_t, mean.warm_tables_first) == (
         4 * lanes, MEAN_ORDER_WARPS, 1, other.warm_tables_first)
@@ -75,7 +76,7 @@ def test_the_norm_sums_in_the_order_of_the_eager_kernel_the_spelling_runs(policy
     mean 16 rows or more, or a symbolic count, and H from 128 to 8,160); else 0, the kernel's own; never under
     ``fp32`` nor for site C (no norm)."""
     from h3_fused.kernels.arguments import check_args
-    from h3_fused.kernels.launch import LaunchConfig, norm_sum_order, specialisation
+    from h3_fused.kernels.launch import ForwardSpecialisation, LaunchConfig, norm_sum_order
 
     t = make(tokens=4, hidden=hidden)
     for site, has_norm in (("A", True), ("C", False)):
@@ -83,9 +84,8 @@ def test_the_norm_sums_in_the_order_of_the_eager_kernel_the_spelling_runs(policy
                       norm_rounds_before_weight=native) if has_norm else dict(
             residual=t["x"], branch=t["branch"], gate=t["gate"], index=t["index"])
         a = check_args(**kwargs, policy=policy, has_norm=has_norm)
-        flags = specialisation(hidden, not has_norm, has_norm, has_norm, a.rounding, LaunchConfig(1, 512, 4), False,
-                               norm_sum_order(a.rounding, hidden, has_norm, rows))
-        assert flags["NORM_SUM_ORDER"] == (order if has_norm else 0), site
+        spec = ForwardSpecialisation.of(a, LaunchConfig(1, 512, 4), norm_sum_order(a.rounding, hidden, has_norm, rows))
+        assert (order if has_norm else 0) == spec.NORM_SUM_ORDER, site
 
 
 def test_a_chunk_other_than_the_eager_order_needs_is_refused():
@@ -123,7 +123,7 @@ def test_warming_program_count_cover_every_table_row_and_the_weight(gate_dtype, 
     from h3_fused.kernels.arguments import check_args
     from h3_fused.kernels.launch import WARM_TABLES_MAX_BYTES, warming_program_count
 
-    t = make(tokens=4, hidden=5376, rows=6, table_dtype=table_dtype)
+    t = make(tokens=4, hidden=5376, table_rows=6, table_dtype=table_dtype)
     gate = t["gate"].to(gate_dtype)
     row_sectors = {bf16: 5376 * 2 // 32, f32: 5376 * 4 // 32}
     a = check_args(x=t["x"], weight=t["weight"], shift=t["shift"], scale=t["scale"], index=t["index"], eps=1e-5,
@@ -135,7 +135,7 @@ def test_warming_program_count_cover_every_table_row_and_the_weight(gate_dtype, 
     assert warming_program_count(b, 256) == math.ceil(sectors / 256)
     c = check_args(residual=t["x"], gate=gate, branch=t["branch"], index=t["index"], policy="bf16", has_norm=False)
     assert warming_program_count(c, 256) == math.ceil(6 * row_sectors[gate_dtype] / 256)
-    big = make(tokens=4, hidden=8192, rows=1 + WARM_TABLES_MAX_BYTES // (2 * 8192 * 2))
+    big = make(tokens=4, hidden=8192, table_rows=1 + WARM_TABLES_MAX_BYTES // (2 * 8192 * 2))
     a = check_args(x=big["x"], shift=big["shift"], scale=big["scale"], index=big["index"], eps=1e-5,
                    policy="bf16", has_norm=True)
     assert warming_program_count(a, 128) == 0

@@ -8,8 +8,8 @@ import torch
 from exact_rounding import assert_fp32_gated_residual_rounds_once, double_rounding_cases, exact_gated_residual
 from h3_fused.kernels import gate_norm_modulate, gate_residual, norm_modulate
 from h3_fused.kernels.reference import sum_rounded_once
-from helpers import eager_gate, eager_modulate, eager_norm
-from helpers import make_site_tensors as make
+from h3_fused.kernels.testing import eager_gate, eager_modulate, eager_norm
+from h3_fused.kernels.testing import site_tensors as make
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -144,7 +144,7 @@ def test_opcheck_on_cpu():
 @given(tokens=st.integers(1, 40), hidden=st.integers(1, 40).map(lambda h: 8 * h), rows=st.integers(1, 12),
        seed=st.integers(0, 2**16), native=st.booleans(), upcast=st.booleans())
 def test_property_bf16_matches_eager(tokens, hidden, rows, seed, native, upcast):
-    t = make(tokens=tokens, hidden=hidden, rows=rows, seed=seed)
+    t = make(tokens=tokens, hidden=hidden, table_rows=rows, seed=seed)
     u, y = gate_norm_modulate(t["x"], t["gate"], t["branch"], t["weight"], t["shift"], t["scale"], t["index"],
                               eps=1e-5, policy="bf16", norm_rounds_before_weight=native, upcast_tables=upcast)
     u_ref = eager_gate(t["x"], t["gate"], t["branch"], t["index"], upcast)

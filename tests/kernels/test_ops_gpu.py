@@ -9,8 +9,7 @@ import pytest
 import torch
 from exact_rounding import assert_fp32_gated_residual_rounds_once
 from h3_fused.kernels.reference import sum_rounded_once
-from helpers import eager_gate, eager_modulate, eager_norm
-from sites import eager_site, fused_site, make_inputs
+from h3_fused.kernels.testing import eager_gate, eager_modulate, eager_norm, eager_site, fused_site, make_inputs
 
 pytestmark = pytest.mark.gpu
 

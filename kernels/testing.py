@@ -1,0 +1,190 @@
+"""The modulation sites as an unfused model writes them, inputs for them, and calls of the fused ops and kernel on
+them: the one catalogue the tests and the benchmarks share.
+
+- ``eager_norm``, ``eager_modulate``, ``eager_gate``: the pieces of a site in eager, in each public spelling
+  (``nn.RMSNorm`` / ``F.rms_norm`` or the native norm; tables upcast or not); ``eager_site`` composes them into
+  site A (``y`` from ``x``), B (``(u, y)`` from the residual and the branch) or C (``u``);
+- ``site_tensors``: every tensor a site may read (the tables as strided ``[K, H]`` chunk views of one
+  ``[K, 6H]`` projection, as the model holds them); ``make_inputs``: those of one site, keyed as its op takes them;
+- ``fused_site``: a call of the site's public op; ``kernel_launch``: of the forward kernel alone, with any launch
+  configuration; ``site_rounding``, ``shipped_sum_order``, ``shipped_launch_config``: what the launch picks;
+  ``backward_inputs``: what the backward kernels' launch takes;
+- ``minimal_bytes``: what a site must read and write, the benchmarks' roof.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+
+from . import launch as shipped_launch
+from .arguments import ModulationArgs, check_args
+from .backward import SavedSite, rows_of
+from .contract import Rounding, SumOrder, rounding_for
+from .launch import LaunchConfig, launch_config, norm_sum_order
+from .ops import gate_norm_modulate, gate_residual, norm_modulate
+
+SITES = ("A", "B", "C")
+INDEX_LAYOUTS = ("uniform", "runs")
+
+
+def eager_norm(x, weight, eps, native: bool = False):
+    """RMSNorm over the last dim: ``F.rms_norm`` (one rounding), or the native spelling (``native``), which
+    rounds the normalized row before the weight."""
+    if not native:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    x32 = x.float()
+    n = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return n * weight if weight is not None else n
+
+
+def eager_modulate(n, shift, scale, index, upcast: bool = False):
+    """``(n * (1 + scale[index]) + shift[index]).to(n.dtype)``, the tables ``.float()`` first where ``upcast``."""
+    if upcast:
+        shift, scale = shift.float(), scale.float()
+    return (n * (1.0 + scale[index.long()]) + shift[index.long()]).to(n.dtype)
+
+
+def eager_gate(residual, gate, branch, index, upcast: bool = False):
+    """``(residual + gate[index] * branch).to(residual.dtype)``, the table ``.float()`` first where ``upcast``."""
+    if upcast:
+        gate = gate.float()
+    return (residual + gate[index.long()] * branch).to(residual.dtype)
+
+
+def eager_site(site: str, native: bool = False, upcast: bool = False):
+    """The eager function of ``site`` the fused op replaces, taking ``make_inputs(site, ...)``'s keys."""
+    def a(x, weight, shift, scale, index, eps):
+        return eager_modulate(eager_norm(x, weight, eps, native), shift, scale, index, upcast)
+
+    def b(residual, gate, branch, weight, shift, scale, index, eps):
+        u = eager_gate(residual, gate, branch, index, upcast)
+        return u, a(u, weight, shift, scale, index, eps)
+
+    def c(residual, gate, branch, index):
+        return eager_gate(residual, gate, branch, index, upcast)
+
+    return {"A": a, "B": b, "C": c}[site]
+
+
+def site_tensors(tokens: int = 33, hidden: int = 96, table_rows: int = 6, *, device="cpu", dtype=torch.bfloat16,
+                 table_dtype=None, lead=None, seed: int = 0, index_dtype=torch.int64, index_layout: str = "uniform"):
+    """Every tensor a site may read: ``x`` and ``branch`` of shape ``[*lead, H]`` (``lead`` defaults to
+    ``(tokens,)``), a ``weight`` near 1, ``shift``, ``scale`` and ``gate`` as chunk views of one ``[K, 6H]``
+    table (row stride ``6H``, as in the model) and an ``index`` of shape ``lead``, from one generator on
+    ``device``. ``index_layout``: ``uniform``, each row's table row drawn independently (the worst case for the
+    table rows' reuse in a program's L1), or ``runs``, the same draw sorted into contiguous runs, as the model
+    lays its index out (each sample's tokens share a timestep and each modality's tokens are adjacent)."""
+    if index_layout not in INDEX_LAYOUTS:
+        raise ValueError(f"index_layout must be one of {INDEX_LAYOUTS}, got {index_layout!r}")
+    g = torch.Generator(device=device).manual_seed(seed)
+    lead = tuple(lead or (tokens,))
+
+    def randn(*shape, scale=1.0, to=dtype):
+        return torch.randn(*shape, generator=g, device=device, dtype=torch.float32).mul_(scale).to(to)
+
+    tables = randn(table_rows, 6 * hidden, scale=0.3, to=table_dtype or dtype).chunk(6, dim=-1)
+    index = torch.randint(0, table_rows, lead, generator=g, device=device)
+    if index_layout == "runs":
+        index = index.flatten().sort().values.view(lead)
+    weight = 1.0 + randn(hidden, scale=0.1)
+    x, branch = randn(*lead, hidden), randn(*lead, hidden)
+    return dict(x=x, branch=branch, weight=weight, shift=tables[0], scale=tables[1], gate=tables[2],
+                index=index.to(index_dtype))
+
+
+SITE_INPUTS = {"A": ("x", "weight", "shift", "scale", "index", "eps"),
+               "B": ("residual", "gate", "branch", "weight", "shift", "scale", "index", "eps"),
+               "C": ("residual", "gate", "branch", "index")}
+
+
+def make_inputs(site: str, tokens: int, hidden: int = 5376, table_rows: int = 6, *, device="cuda", eps=1e-5,
+                **options):
+    """The inputs of ``site`` (``site_tensors(..., **options)``; its ``x`` is the residual of sites B and C), keyed
+    as the site's op and ``eager_site`` take them; real sizes and a CUDA device by default."""
+    t = dict(site_tensors(tokens, hidden, table_rows, device=device, **options), eps=eps)
+    t["residual"] = t["x"]
+    return {name: t[name] for name in SITE_INPUTS[site]}
+
+
+def fused_site(site: str, policy: str, *, dispatcher: bool = False, **flags):
+    """A call of the site's public function (``h3_fused.kernels.*``: in eager, the op's body without the
+    dispatcher) with ``make_inputs``' keys, the tensors passed positionally as a model passes them;
+    ``dispatcher=True``: of the op through the dispatcher (``torch.ops.h3_fused.*``), as a tracer or mode sees it.
+    ``flags``: the op's other keyword arguments (``norm_rounds_before_weight``, ``upcast_tables``)."""
+    public = {"A": norm_modulate, "B": gate_norm_modulate, "C": gate_residual}[site]
+    op = public.dispatched if dispatcher else public
+    tensors = [name for name in SITE_INPUTS[site] if name != "eps"]
+    if site == "C":
+        return lambda **t: op(*(t[name] for name in tensors), policy=policy, **flags)
+    return lambda **t: op(*(t[name] for name in tensors), eps=t["eps"], policy=policy, **flags)
+
+
+def kernel_launch(site: str, inputs: dict, policy: str, wrap=lambda kernel: kernel, kernel_module=None,
+                  outputs=None, config: LaunchConfig | None = None, free_sum_order: bool = False):
+    """A call that launches the fused kernel alone on ``inputs`` (arguments checked once, outputs allocated
+    once; no op dispatch) and returns what the launch returns (the compiled kernel); the call's ``outputs``
+    attribute holds ``(u, y)`` (None where the site has no such output). ``config``: a ``LaunchConfig`` to launch
+    with instead of the shipped one. ``kernel_module``: another version of ``h3_fused.kernels.launch`` to launch
+    instead. ``outputs``: the ``outputs`` of another call on inputs of the same shapes, to write into instead of
+    allocating (calls timed side by side share them: with outputs of their own, identical kernels differed by up
+    to 1.7%, the same way in every run, by where their outputs lay). ``free_sum_order``: the norm's squares added
+    in the kernel's own order, not an eager kernel's (the policy's other roundings kept), with the configuration
+    ``launch_config`` picks for that."""
+    launch = (kernel_module or shipped_launch).launch_modulation
+    a = check_args(**inputs, policy=policy, has_norm=site != "C")
+    if free_sum_order:
+        a = dataclasses.replace(a, rounding=dataclasses.replace(a.rounding, norm_sum_order=SumOrder.OWN))
+    if outputs is None:
+        outputs = tuple(torch.empty(a.out_shape, dtype=a.dtype, device=a.device) if wanted else None
+                        for wanted in (site != "A", site != "C"))
+    u, y = outputs
+
+    def call():
+        return launch(a, u, y, wrap, config)
+
+    call.outputs = (u, y)
+    return call
+
+
+def backward_inputs(site: str, tokens: int, hidden: int, table_rows: int = 6, *, device="cuda", seed: int = 0,
+                    policy: str = "bf16", native: bool = False) -> tuple[ModulationArgs, tuple]:
+    """What ``launch_backward.launch_backward`` takes for ``site``: the forward's checked arguments and the
+    ``[R, H]`` rows ``(u, dy, du)``: what the forward normalized (``x``, or the stored residual), the incoming
+    gradients of ``y`` and ``u``, each None where the site has no such value. The index is ``a.index``."""
+    t = site_tensors(tokens, hidden, table_rows, device=device, seed=seed)
+    incoming = site_tensors(tokens, hidden, table_rows, device=device, seed=seed + 1)
+    gated, normed = site != "A", site != "C"
+    saved = SavedSite(t["x"] if normed else None, t["branch"] if gated else None, t["gate"] if gated else None,
+                      t["weight"] if normed else None, t["shift"] if normed else None, t["scale"] if normed else None,
+                      t["index"], eps=1e-5, policy=policy, norm_rounds_before_weight=native, upcast_tables=False)
+    dy, du = (incoming["x"] if normed else None), (incoming["branch"] if gated else None)
+    a = saved.forward_args(du)
+    return a, (rows_of(saved.u, a, "u"), rows_of(dy, a, "dy"), rows_of(du, a, "du"))
+
+
+def site_rounding(site: str, policy: str, native: bool = False) -> Rounding:
+    """The ``contract.Rounding`` of ``site`` under ``policy`` with bf16 activations and tables, for the
+    ``nn.RMSNorm`` spelling or the native one (``native``)."""
+    gate, norm = site != "A", site != "C"
+    return rounding_for(policy, torch.bfloat16, torch.bfloat16 if gate else None, torch.bfloat16 if norm else None,
+                        norm_rounds_before_weight=native, upcast_tables=False)
+
+
+def shipped_sum_order(site: str, hidden: int, rows: int | None, policy: str, native: bool = False) -> SumOrder:
+    """The ``NORM_SUM_ORDER`` the launch picks for ``site`` (see ``site_rounding``) at ``rows`` rows."""
+    return norm_sum_order(site_rounding(site, policy, native), hidden, site != "C", rows)
+
+
+def shipped_launch_config(site: str, hidden: int, rows: int | None, policy: str, native: bool = False) -> LaunchConfig:
+    """The configuration ``launch_config`` picks for ``site`` (A: a norm; B: a gate and a norm; C: a gate) at
+    ``hidden`` columns and ``rows`` rows (None: a symbolic count) under ``policy`` (see ``site_rounding``)."""
+    return launch_config(hidden, site != "A", site != "C", rows, shipped_sum_order(site, hidden, rows, policy, native))
+
+
+def minimal_bytes(site: str, tokens: int, hidden: int, itemsize: int = 2) -> int:
+    """Each activation read once and each output written once (tables and index are negligible)."""
+    streams = {"A": 2, "B": 4, "C": 3}[site]
+    return streams * tokens * hidden * itemsize
