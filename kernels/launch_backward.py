@@ -118,6 +118,23 @@ class ReduceSpecialisation:
     INTERPRETED: bool
 
 
+def backward_specialisation(a: ModulationArgs, needs: Needs, config: BackwardConfig) -> BackwardSpecialisation:
+    """The backward kernel's specialisation for the site ``a`` (the forward's checked arguments), the gradients
+    ``needs`` asks for (those the site has), launched with ``config``: sorted by table row where any table
+    gradient is needed."""
+    has_gate, has_norm = a.gate is not None, a.scale is not None
+    rounding = a.rounding
+    need_shift, need_scale, need_gate = needs.shift and has_norm, needs.scale and has_norm, needs.gate and has_gate
+    return BackwardSpecialisation(
+        HIDDEN=a.hidden, HAS_GATE=has_gate, HAS_NORM=has_norm, HAS_WEIGHT=a.weight is not None,
+        ROUND_NORM=rounding.norm_output, ROUND_NORM_BEFORE_WEIGHT=rounding.norm_before_weight,
+        ROUND_AFFINE=rounding.affine, NEED_X=needs.lead, NEED_BRANCH=needs.branch and has_gate,
+        NEED_SHIFT=need_shift, NEED_SCALE=need_scale, NEED_GATE=need_gate,
+        NEED_W=needs.weight and a.weight is not None, SORTED=need_shift or need_scale or need_gate,
+        PREFETCH=config.prefetch, HOIST_TABLES=config.hoist_tables, EARLY_STREAMS=config.early_streams,
+        INTERPRETED=interpreting(), CHUNK=config.chunk)
+
+
 def _empty_like_rows(a: ModulationArgs):
     return torch.empty((a.rows, a.hidden), dtype=a.dtype, device=a.device)
 
@@ -129,16 +146,16 @@ def launch_backward(a: ModulationArgs, u: torch.Tensor | None, dy: torch.Tensor 
     identity for a direct launch) with ``config`` (default: ``backward_config``'s). ``a``: the forward's checked
     arguments; ``u``, ``dy``, ``du``: ``[R, H]`` rows with unit column stride."""
     has_gate, has_norm = a.gate is not None, a.scale is not None
-    need_w = needs.weight and a.weight is not None
-    want = dict(shift=needs.shift and has_norm, scale=needs.scale and has_norm, gate=needs.gate and has_gate)
     config = config or backward_config(a.hidden, a.rows, a.device, has_norm, has_gate)
+    spec = backward_specialisation(a, needs, config)
+    need_w = spec.NEED_W
+    want = dict(shift=spec.NEED_SHIFT, scale=spec.NEED_SCALE, gate=spec.NEED_GATE)
     grads = {}
-    if needs.lead:
+    if spec.NEED_X:
         grads["lead"] = _empty_like_rows(a)
-    if needs.branch and has_gate:
+    if spec.NEED_BRANCH:
         grads["branch"] = _empty_like_rows(a)
-    grouped = any(want.values())
-    if grouped:
+    if spec.SORTED:
         # keys made distinct (index * R + row), so that the order, and with it the order of every fp32 sum, is
         # the same whichever sort runs (eager's stable one, or one a compiler chooses)
         rows = torch.arange(a.rows, device=a.device)
@@ -165,18 +182,11 @@ def launch_backward(a: ModulationArgs, u: torch.Tensor | None, dy: torch.Tensor 
     tensors = (rows_alias, branch, table_alias, a.weight if a.weight is not None else scale, scale, a.index, order,
                seg, dy, du, grads.get("lead", out_alias), grads.get("branch", out_alias), part["shift"],
                part["scale"], part["gate"], part["weight"])
-    rounding = a.rounding
     KernelLaunch(
         modulation_backward_kernel, grid=(config.programs,), num_warps=config.num_warps,
         scalars=(a.rows, a.num_table_rows, config.rows_per_program, a.eps, rows_alias.stride(0), branch.stride(0),
                  table_alias.stride(0), scale.stride(0), dy.stride(0), du.stride(0)),
-        spec=BackwardSpecialisation(
-            HIDDEN=a.hidden, HAS_GATE=has_gate, HAS_NORM=has_norm, HAS_WEIGHT=a.weight is not None,
-            ROUND_NORM=rounding.norm_output, ROUND_NORM_BEFORE_WEIGHT=rounding.norm_before_weight,
-            ROUND_AFFINE=rounding.affine, NEED_X=needs.lead, NEED_BRANCH=needs.branch and has_gate,
-            NEED_SHIFT=want["shift"], NEED_SCALE=want["scale"], NEED_GATE=want["gate"], NEED_W=need_w,
-            SORTED=grouped, PREFETCH=config.prefetch, HOIST_TABLES=config.hoist_tables,
-            EARLY_STREAMS=config.early_streams, INTERPRETED=interpreting(), CHUNK=config.chunk),
+        spec=spec,
     )(tensors, wrap)
     tables = {name: getattr(a, name) for name, wanted in want.items() if wanted}
     if need_w:

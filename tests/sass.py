@@ -16,10 +16,12 @@ import tempfile
 
 import triton
 from h3_fused.kernels.arguments import check_args
+from h3_fused.kernels.backward_kernel import modulation_backward_kernel
 from h3_fused.kernels.forward_kernel import modulation_kernel
 from h3_fused.kernels.launch import ForwardSpecialisation
+from h3_fused.kernels.launch_backward import Needs, backward_config, backward_specialisation
 from h3_fused.kernels.launch_plan import constexprs
-from h3_fused.kernels.testing import make_inputs, shipped_launch_config, shipped_sum_order
+from h3_fused.kernels.testing import backward_inputs, make_inputs, shipped_launch_config, shipped_sum_order
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
@@ -30,11 +32,11 @@ CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia",
 
 
 def compile_site(site: str, policy: str, hidden: int, config=None, index: str = "i64", constants=None,
-                 native: bool = False):
+                 native: bool = False, fp_fusion: bool = True):
     """``modulation_kernel`` compiled for sm_90 as the ops launch it (or with ``config``) at a symbolic row
     count, for an index of Triton type ``index`` (``"i64"`` or ``"i32"``) and the ``nn.RMSNorm`` spelling or
     the native one (``native``); ``constants``: scalar arguments made constants, as Triton does with a value
-    of 1 (e.g. ``{"n_rows": 1}``)."""
+    of 1 (e.g. ``{"n_rows": 1}``); ``fp_fusion``: Triton's ``enable_fp_fusion``."""
     config = config or shipped_launch_config(site, hidden, None, policy, native)
     flags = dict(norm_rounds_before_weight=native) if site != "C" else {}
     a = check_args(**make_inputs(site, 1, hidden, device="cpu"), **flags, policy=policy, has_norm=site != "C")
@@ -48,7 +50,25 @@ def compile_site(site: str, policy: str, hidden: int, config=None, index: str = 
                        constexprs={(names.index(k),): v for k, v in constants.items()},
                        attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
     return triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=config.num_warps, debug=True, enable_fp_fusion=True))
+                          options=dict(num_warps=config.num_warps, debug=True, enable_fp_fusion=fp_fusion))
+
+
+def compile_backward(site: str, policy: str, hidden: int, fp_fusion: bool = True):
+    """``modulation_backward_kernel`` compiled for sm_90 as the backward launches it for ``site`` with every
+    gradient asked for, at symbolic row counts; ``fp_fusion``: Triton's ``enable_fp_fusion``."""
+    a, rows = backward_inputs(site, 4, hidden, device="cpu", policy=policy)
+    config = backward_config(hidden, a.rows, a.device, site != "C", site != "A")
+    spec = backward_specialisation(a, Needs(), config)
+    constants = constexprs(spec) | dict(INTERPRETED=False)
+    names = modulation_backward_kernel.arg_names
+    pointer_types = dict(idx_ptr="*i64", order_ptr="*i64", seg_ptr="*i64")
+    signature = {name: "constexpr" if name in constants else pointer_types.get(name, "*fp32" if
+                 name.startswith("part_") else "*bf16") if name.endswith("_ptr") else "fp32" if name == "eps" else "i32"
+                 for name in names}
+    source = ASTSource(fn=modulation_backward_kernel, signature=signature,
+                       constexprs={(names.index(k),): v for k, v in constants.items()})
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=config.num_warps, debug=True, enable_fp_fusion=fp_fusion))
 
 
 def _cuobjdump(cubin: bytes, what: str) -> str:

@@ -16,9 +16,10 @@ import re
 
 import pytest
 from h3_fused.kernels.testing import shipped_launch_config
-from sass import compile_site
+from sass import compile_backward, compile_site
 
 HIDDEN = 5376
+FLOAT_OPS = re.compile(r"^\s+((?:fma|mul|add|sub|neg|div|rsqrt|sqrt)\.[\w.]+\s[^;]*;)", re.M)
 ROW_COUNTS = pytest.mark.parametrize("rows", [None, 1], ids=["many_rows", "few_rows"])
 
 
@@ -98,3 +99,22 @@ def test_native_spelling_rounds_every_product(site):
     for hidden in (200, 1024):
         ptx = compile_site(site, "bf16", hidden, native=True).asm["ptx"]
         assert not re.findall(r"^\s+fma\.", ptx, re.M)
+
+
+def float_arithmetic(ptx: str) -> list[str]:
+    """The PTX's float instructions in order, without the ``.rn`` that a build without contraction writes on
+    every multiply and add (to keep ptxas from contracting them) and without register numbers."""
+    return [re.sub(r"%\w+", "%", op.replace(".rn", "")) for op in FLOAT_OPS.findall(ptx)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["bf16", "fp32"])
+@pytest.mark.parametrize("site", ["A", "B", "C"])
+def test_the_builds_do_not_depend_on_triton_contracting_multiply_adds(site, policy):
+    """Every multiply-add of the kernels is written out (``tl.fma``, or kept apart by ``device_math.mul_rn``),
+    so Triton's ``enable_fp_fusion`` (whose default, ``TRITON_DEFAULT_FP_FUSION``, Inductor's compile of a user
+    kernel takes, and Triton 3.10 turns off) changes no float instruction of the forward or the backward."""
+    forward = [compile_site(site, policy, HIDDEN, fp_fusion=on).asm["ptx"] for on in (True, False)]
+    backward = [compile_backward(site, policy, HIDDEN, fp_fusion=on).asm["ptx"] for on in (True, False)]
+    for contracted, apart in (forward, backward):
+        assert float_arithmetic(contracted) == float_arithmetic(apart)
