@@ -3,8 +3,10 @@
     python examples/demo.py            # tiny model on the CPU; a few real-size blocks on a GPU
 
 Prints, per policy and compile mode, which sites the compile fused (counts per fused op: one compiled graph
-serves every block under regional compile), on a GPU how many fused kernels run per forward (on the CPU there
-is no fused kernel: Inductor compiles each site's reference operations), the compile time, and the share of
+serves every block under regional compile) and, apart, how many RMSNorms outside the sites it computes in
+eager's order (``eager_norms``, under ``bf16``), on a GPU how many times the fused kernel runs per forward (for
+the sites and those norms; on the CPU there is no fused kernel: Inductor compiles each site's reference
+operations), the compile time, and the share of
 output elements bit-identical to eager with the largest difference. ``bf16`` keeps eager's
 roundings; ``fp32`` keeps intermediate values in fp32 and rounds once per output, so its outputs differ from
 eager's by design (closer to the model computed in fp32).
@@ -22,6 +24,7 @@ from torch._dynamo.utils import counters
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import h3_fused  # noqa: E402
+from h3_fused.patterns import SiteKind  # noqa: E402
 from minimax_h3 import H3Config, H3Model, example_inputs, init_weights  # noqa: E402
 
 
@@ -51,16 +54,19 @@ def run(mode, policy, device):
             fn = torch.compile(model, backend="h3_fused", options={"dtype_policy": policy})
         got = fn(latents, layout)
         compile_s = time.perf_counter() - start
-    fused = {k: v for k, v in counters["h3_fused"].items() if k != "refused"}
+    made = counters["h3_fused"]
+    sites = {kind.value: made[kind.value] for kind in SiteKind if made[kind.value]}
     same = (got == expected).float().mean().item()
     diff = (got - expected).abs().max().item()
-    kernels = f"{kernels_per_forward(fn, latents, layout):3d} fused kernels per forward, " if device == "cuda" else ""
-    print(f"{mode:8s} {policy:5s} fused {fused} refused {counters['h3_fused']['refused']:3d}, {kernels}"
-          f"compile {compile_s:6.1f}s, bit-identical {100 * same:7.3f}%, max|diff| {diff:.3e}")
+    kernels = f"{kernels_per_forward(fn, latents, layout):3d} fused kernel launches per forward, " \
+        if device == "cuda" else ""
+    print(f"{mode:8s} {policy:5s} sites fused {sites}, RMSNorms in eager's order {made['eager_rms_norm']:2d}, "
+          f"refused {made['refused']:2d}, {kernels}compile {compile_s:5.1f}s, bit-identical {100 * same:7.3f}%, "
+          f"max|diff| {diff:.3e}")
 
 
 def kernels_per_forward(fn, latents, layout) -> int:
-    """The fused Triton kernels one forward launches."""
+    """The launches of the fused kernel in one forward (the sites', and the RMSNorms' it computes in eager's order)."""
     with torch.no_grad(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         fn(latents, layout)
         torch.cuda.synchronize()

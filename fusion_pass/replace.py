@@ -27,9 +27,15 @@ def replace_sites(graph: Graph, sites: list[Site], options: FusionOptions, decom
         renamed.update(zip(site.outputs, new_outputs))
         fused += 1
         count(site.kind.value)
-        log.debug("h3_fused: fused site %s at %s as h3_fused::%s (policy %s)", site.kind.letter,
-                  ", ".join(map(str, site.outputs)), site.kind.value, policy)
+        log.debug("h3_fused: fused site %s%s as h3_fused::%s (policy %s)", site.kind.letter, _where(site.outputs),
+                  site.kind.value, policy)
     return fused
+
+
+def _where(outputs) -> str:
+    """Where a site's outputs are in the model: each one's source line (`` at file.py:12 `code` ``), its FX node's
+    name where none is known."""
+    return " at " + ", ".join(source_of(out) or f"FX node {out.name}" for out in outputs)
 
 
 def replace_norms(graph: Graph, options: FusionOptions) -> int:

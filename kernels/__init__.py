@@ -8,12 +8,19 @@
 it reproduces eager's order, else eager's own ops), for the norms outside the sites (``eager_norm.py``).
 """
 
-from . import autograd  # noqa: F401  (registers the forward ops' autograd formulas)
-from .backward import modulation_backward
-from .contract import Rounding, SumOrder, rounding_for
-from .eager_norm import eager_rms_norm
-from .ops import gate_norm_modulate, gate_residual, norm_modulate
-from .policy import POLICIES, resolve_policy
+if __name__ != "h3_fused.kernels":  # the repository root is on sys.path, and its kernels/ folder was found first
+    raise ImportError(
+        f"{__file__} is h3_fused's kernels folder (h3_fused.kernels), imported here as the top-level package "
+        f"{__name__!r}: the repository root is on sys.path (a REPL, `python -c` or `python -m` started there), where "
+        "this folder hides the kernel-hub package `kernels` that transformers, peft and diffusers import. Start "
+        "Python in another directory, or with `python -P` (PYTHONSAFEPATH=1), and import h3_fused.")
+
+from . import autograd  # noqa: E402, F401  (registers the forward ops' autograd formulas)
+from .backward import modulation_backward  # noqa: E402
+from .contract import Rounding, SumOrder, rounding_for  # noqa: E402
+from .eager_norm import eager_rms_norm  # noqa: E402
+from .ops import gate_norm_modulate, gate_residual, norm_modulate  # noqa: E402
+from .policy import POLICIES, resolve_policy  # noqa: E402
 
 __all__ = ["POLICIES", "Rounding", "SumOrder", "eager_rms_norm", "gate_norm_modulate", "gate_residual",
            "modulation_backward", "norm_modulate", "resolve_policy", "rounding_for"]

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 from torch.fx import Graph, Node
 
-from .graph_view import NoMatch
+from .graph_view import NoMatch, source_of
 from .sites import (
     Site,
     gate_residual_site,
@@ -50,6 +50,7 @@ def find_sites(graph: Graph, refuse: Callable[[Node, NoMatch, str], None], note=
                 merged.add(c.outputs[0])
                 continue
             except NoMatch as why:
-                note(f"not merging the gated residual {c.outputs[0]} into the norm at {a.outputs[0]}: {why}")
+                note(f"not merging the gated residual{source_of(c.outputs[0], ' at ')} into the norm"
+                     f"{source_of(a.outputs[0], ' at ')}: {why}")
         sites.append(a)
     return sites + [c for u, c in c_sites.items() if u not in merged]

@@ -72,7 +72,7 @@ def match_gather(node: object) -> Gather:
         nodes.append(top)
         top = top.args[0]
     expect(is_op(top, GATHER), f"{describe(top)} is not a per-token gather of table rows (`table[index]`)",
-           hint="modulation broadcast per sample (`scale[:, None]`, as in Flux or Wan) is not fused")
+           hint=_row_source_hint(node, top))
     nodes.append(top)
     if top.target == aten.index.Tensor:
         table, indices = top.args
@@ -91,6 +91,19 @@ def match_gather(node: object) -> Gather:
     upcast = table_dtype in LOW_PRECISION and dtype_of(node) == f32
     expect(dtype_of(node) in (table_dtype, f32), f"the gathered rows are converted to {dtype_of(node)}")
     return Gather(node, table_src, index_src, upcast, nodes)
+
+
+def _row_source_hint(rows: object, source: object) -> str | None:
+    """What the rows ``rows`` (which come from ``source``, not a gather) are, where that helps: modulation
+    broadcast per sample (one row per sample, or one for all), or rows split after their gather."""
+    shape = shape_of(rows)
+    if shape is not None and (len(shape) < 2 or same_size(shape[-2], 1)):
+        return "modulation broadcast per sample (`scale[:, None]`, as in Flux or Wan) is not fused"
+    if is_op(source, (operator.getitem,)) and is_op(source.args[0], (aten.split.Tensor, aten.split_with_sizes.default)):
+        if is_op(strip_views(strip_converts(source.args[0].args[0])), GATHER):
+            return ("the rows are gathered and then split (`table[index].chunk(n)`); each table gathered on its own "
+                    "(`table.chunk(n)[k][index]`) fuses")
+    return None
 
 
 def _is_gather(node: object) -> bool:
@@ -212,8 +225,13 @@ def _site_output(out: object) -> tuple[torch.dtype, Node, list[Node]]:
     return act, out, []
 
 
+ADDCMUL = (aten.addcmul.default,)
+
+
 def match_affine(y: object) -> Affine:
     act, top, nodes = _site_output(y)
+    expect(not is_op(top, ADDCMUL), "`torch.addcmul(shift, n, 1 + scale)` (the product not rounded before the add) "
+                                    "is not fused")
     compute = dtype_of(top)
     q, shift_rows = either_order(operands(top, ADD, "n * (1 + scale[idx]) + shift[idx]"), lambda v: is_op(v, MUL),
                                  "a product")
@@ -243,6 +261,8 @@ class Gated:
 
 def match_gated(u: object) -> Gated:
     act, top, nodes = _site_output(u)
+    expect(not is_op(top, ADDCMUL), "`torch.addcmul(residual, gate, branch)` (the product not rounded before the "
+                                    "add) is not fused")
 
     def gated_product(v):
         return is_op(v, MUL) and len(v.args) == 2 and any(_is_gather(a) for a in v.args)
@@ -417,18 +437,25 @@ def _anchor_top(node: Node) -> object:
     return node
 
 
-def is_affine_candidate(node: Node) -> bool:
-    """Cheap filter: ``add`` (maybe under a convert) with a ``mul`` operand holding ``1 + t`` ."""
-    top = _anchor_top(node)
+def _products(top: object) -> list[tuple]:
+    """The factors of each product ``top`` adds (maybe under a convert): of its ``mul`` operands where it is an
+    ``add``, of its product where it is an ``addcmul``."""
+    top = _anchor_top(top)
+    if is_op(top, ADDCMUL):
+        return [tuple(top.args[1:3])]
     if not is_op(top, (aten.add.Tensor,)) or len(top.args) != 2:
-        return False
-    return any(is_op(m, MUL) and any(is_op(p, ADD) and any(is_scalar(a, 1.0) for a in p.args) for p in m.args)
-               for m in top.args)
+        return []
+    return [tuple(m.args) for m in top.args if is_op(m, MUL)]
+
+
+def is_affine_candidate(node: Node) -> bool:
+    """Cheap filter: an ``add`` (maybe under a convert) of a product with a factor ``1 + t``, or an ``addcmul``
+    of such a product."""
+    return any(is_op(p, ADD) and any(is_scalar(a, 1.0) for a in p.args) for factors in _products(node)
+               for p in factors)
 
 
 def is_gated_candidate(node: Node) -> bool:
-    """Cheap filter: ``add`` (maybe under a convert) with a ``mul`` operand holding a gather."""
-    top = _anchor_top(node)
-    if not is_op(top, (aten.add.Tensor,)) or len(top.args) != 2:
-        return False
-    return any(is_op(m, MUL) and any(is_op(strip_views(strip_converts(a)), GATHER) for a in m.args) for m in top.args)
+    """Cheap filter: an ``add`` (maybe under a convert) of a product with a gathered factor, or an ``addcmul``
+    of such a product."""
+    return any(is_op(strip_views(strip_converts(a)), GATHER) for factors in _products(node) for a in factors)

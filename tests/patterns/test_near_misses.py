@@ -38,6 +38,12 @@ NEAR_MISSES = {
         F.layer_norm(x, (H,), w, None, 1e-5) * (1 + scale[idx]) + shift[idx]),
     "modulation broadcast per sample": lambda x, b, w, shift, scale, gate, idx, idx2: (
         F.rms_norm(x, (H,), w, 1e-5) * (1 + scale[:1]) + shift[:1]),
+    "addcmul affine": lambda x, b, w, shift, scale, gate, idx, idx2: (
+        torch.addcmul(shift[idx], F.rms_norm(x, (H,), w, 1e-5), 1 + scale[idx])),
+    "addcmul gated residual": lambda x, b, w, shift, scale, gate, idx, idx2: torch.addcmul(x, gate[idx], b),
+    "rows gathered, then chunked": lambda x, b, w, shift, scale, gate, idx, idx2: (
+        lambda rows: F.rms_norm(x, (H,), w, 1e-5) * (1 + rows[1]) + rows[0])(
+            torch.cat([shift, scale], -1)[idx].chunk(2, -1)),
 }
 
 
@@ -51,6 +57,10 @@ def test_near_misses_do_not_fuse(name):
     ("LayerNorm", "the norm subtracts the mean: a LayerNorm", "LayerNorm is not fused, only RMSNorm"),
     ("modulation broadcast per sample", "is not a per-token gather of table rows",
      "modulation broadcast per sample"),
+    ("addcmul affine", "`torch.addcmul(shift, n, 1 + scale)` (the product not rounded before the add)", None),
+    ("addcmul gated residual", "`torch.addcmul(residual, gate, branch)`", None),
+    ("rows gathered, then chunked", "is not a per-token gather of table rows",
+     "the rows are gathered and then split"),
 ])
 def test_refusals_say_where_what_and_why_in_the_models_terms(name, reason, hint, h3_fused_log):
     """A refusal names what the candidate looked like, the model's source line (here, this file's), the reason
@@ -60,7 +70,21 @@ def test_refusals_say_where_what_and_why_in_the_models_terms(name, reason, hint,
     assert messages and counters["h3_fused"]["refused"] >= 1
     line = next((m for m in messages if reason in m), messages)
     assert reason in line and "test_near_misses.py:" in line and "(site" in line, line
-    assert hint is None or f"hint: {hint}" in line, line
+    assert (f"hint: {hint}" in line) if hint else "hint:" not in line, line
+
+
+def test_fused_sites_are_logged_at_the_models_source_line_and_counted_apart_from_the_norms(h3_fused_log):
+    """A fused site's log line gives the model's source line of each output, as a refusal does; the pass's
+    summary counts the sites and the RMSNorms it keeps in eager's order apart."""
+    def site_a_and_a_norm(**t):
+        return site_a(**t), F.rms_norm(t["b"], (H,), t["w"], 1e-5)
+
+    torch.compile(site_a_and_a_norm, backend="h3_fused", options={"dtype_policy": "bf16"})(**inputs())
+    messages = [r.getMessage() for r in h3_fused_log]
+    fused = [m for m in messages if m.startswith("h3_fused: fused site A")]
+    assert len(fused) == 1 and "helpers.py:" in fused[0] and "scale.index_select(0, idx)" in fused[0], fused
+    assert any("1 site(s) fused, 1 RMSNorm(s) outside them in eager's order" in m for m in messages), messages
+    assert (counters["h3_fused"]["norm_modulate"], counters["h3_fused"]["eager_rms_norm"]) == (1, 1)
 
 
 SHARED_LAYOUT = {  # activations [B, T, H], one index [T]: every sample of the batch has the same layout
