@@ -7,9 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).parents[2] / "benchmarks" / "bench_host.py"
 
 
+@pytest.mark.slow
 def test_the_cpu_host_times_cover_every_site_and_way_against_the_reference_alone(tmp_path):
     out = tmp_path / "host_cpu.json"
     run = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--tokens", "4", "--calls", "3",

@@ -11,6 +11,7 @@ from helpers import inductor_matches_eager_on_cpu
 EXAMPLE = Path(__file__).parents[2] / "examples" / "diffusers_h3.py"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", [[], ["--regional"]], ids=["whole", "regional"])
 def test_the_diffusers_example_samples_with_the_sites_fused_and_bf16_equal_to_eager(mode):
     out = subprocess.run([sys.executable, str(EXAMPLE), "--steps", "2", *mode], capture_output=True, text=True,

@@ -57,6 +57,7 @@ def test_the_models_precision_is_what_from_pretrained_loads(model, tmp_path):
     assert torch.float32 in dtypes.values() and torch.bfloat16 in dtypes.values()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["bf16", "fp32"])
 def test_whole_compile_fuses_two_sites_per_block_and_the_output_norm(model, inputs, policy):
     eager = outputs(model, inputs)

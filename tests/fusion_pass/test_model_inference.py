@@ -40,6 +40,7 @@ def test_regional_fp32_policy_within_its_bound():
     torch.testing.assert_close(got, expected, rtol=0.05, atol=0.02 * expected.abs().max().item())
 
 
+@pytest.mark.slow
 def test_whole_model_merges_across_blocks_and_is_bit_exact():
     model, latents, layout = tiny(inline_attention=True, num_blocks=3)
     with torch.no_grad():

@@ -51,6 +51,7 @@ def assert_gradients_close(got: dict, expected: dict, rel=2e-2):
 
 
 @pytest.mark.parametrize("mode", ["whole", "regional"])
+@pytest.mark.slow
 def test_training_graphs_use_the_fused_forward_and_backward(mode):
     model, latents, layout = tiny(inline_attention=True, num_blocks=2)
     model.train()
@@ -76,6 +77,7 @@ def test_training_graphs_use_the_fused_forward_and_backward(mode):
     assert_gradients_close(grads, expected_grads)
 
 
+@pytest.mark.slow
 def test_frozen_tables_and_weights_get_no_gradient_computed():
     """LoRA-like fine-tuning: only the linears train; the fused backward is asked for the activations' gradients
     alone (its ``needs`` argument)."""

@@ -81,6 +81,7 @@ def _tie_plus_power_of_two(dtype):
         lambda c: (torch.tensor([c[2] * 2.0 ** c[1]], dtype=dtype), ties[1][c[0]:c[0] + 1], ties[2][c[0]:c[0] + 1]))
 
 
+@pytest.mark.slow
 @settings(max_examples=400, deadline=None)
 @given(data=st.data(), dtype=st.sampled_from([bf16, torch.float16]))
 def test_sum_rounded_once_is_the_exact_sum_rounded_once(data, dtype):
