@@ -30,7 +30,8 @@ from h3_fused.kernels.testing import (
     shipped_sum_order,
 )
 from harness import LaunchOptions, calls_agree, load_kernel_module
-from timing import alternating_medians, relative_times, write_results
+from record import write_results
+from timing import alternating_medians, relative_times
 
 
 def configurations(site: str, tokens: int, hidden: int, policy: str, native: bool = False) -> dict:

@@ -14,7 +14,8 @@ import argparse
 
 import torch
 from h3_fused.kernels.testing import SITES, eager_site, make_inputs
-from timing import mismatch, write_results
+from record import write_results
+from timing import mismatch
 from torch.utils.benchmark import Timer
 
 

@@ -27,8 +27,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import json
-import platform
 import pstats
 import sys
 import time
@@ -38,6 +36,7 @@ from h3_fused.kernels.arguments import check_args
 from h3_fused.kernels.launch import plan_launch
 from h3_fused.kernels.reference import reference_modulation
 from h3_fused.kernels.testing import fused_site, kernel_launch, make_inputs
+from record import write_results
 
 WAYS = {"cuda": ["public_op", "dispatched_op", "check_args", "bare_launch", "triton_launch", "in_graph"],
         "cpu": ["public_op", "dispatched_op", "check_args", "reference"]}
@@ -115,10 +114,7 @@ def main():
             profile.disable()
             synchronize(args.device)
             pstats.Stats(profile, stream=sys.stdout).sort_stats("tottime").print_stats(args.profile_lines)
-    with open(args.out, "w") as f:
-        device = (torch.cuda.get_device_name() if args.device == "cuda"
-                  else f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)")
-        json.dump(dict(device=device, torch=torch.__version__, rows=rows), f, indent=1)
+    write_results(args.out, rows)
 
 
 if __name__ == "__main__":

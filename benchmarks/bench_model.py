@@ -36,7 +36,6 @@ import tempfile
 import time
 
 import torch
-import triton
 from h3_fused.backend import eager_numerics_patches
 from torch._dynamo.utils import counters
 from tqdm import tqdm
@@ -44,6 +43,7 @@ from triton.testing import do_bench
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 from minimax_h3 import H3Config, H3Model, TokenLayout, euler_sample, example_inputs, init_weights  # noqa: E402
+from record import write_results  # noqa: E402
 
 TOKENS = 15808
 # the eager-numerics settings the bf16 policy turns on beyond emulate_precision_casts, off
@@ -341,7 +341,6 @@ def main():
         print(json.dumps(time_compiles(args.compile_variant)))
         return
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", f"/tmp/h3_fused_bench_cache_{os.getpid()}")
-    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)
     parts = {
         "compile": lambda rows: compile_times(rows, args.compile_variants.split(",")),
         "block": block_level,
@@ -354,8 +353,7 @@ def main():
     rows = []
     for part in args.parts.split(","):
         parts[part](rows)
-        with open(args.out, "w") as f:  # after every part: a run cut short keeps what it measured
-            json.dump([dict(meta, **r) for r in rows], f, indent=1)
+        write_results(args.out, rows)  # after every part: a run cut short keeps what it measured
 
 
 if __name__ == "__main__":

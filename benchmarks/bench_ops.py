@@ -21,7 +21,8 @@ import torch
 from h3_fused.kernels.testing import INDEX_LAYOUTS, SITES, eager_site, fused_site, make_inputs, minimal_bytes
 from hand_fused import hand_fused_site
 from harness import identical_outputs
-from timing import call_ms, copy_bandwidth, copy_same_bytes_ms, graph_ms, mismatch, write_results
+from record import write_results
+from timing import call_ms, copy_bandwidth, copy_same_bytes_ms, graph_ms, mismatch
 
 TOKENS = (3072, 15808, 63232)
 HIDDEN = 5376

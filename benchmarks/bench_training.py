@@ -29,7 +29,8 @@ import sys
 
 import torch
 from h3_fused.kernels.testing import SITES, eager_site, fused_site, make_inputs
-from timing import alternating_medians, call_ms, copy_bandwidth, copy_same_bytes_ms, graph_ms, write_results
+from record import write_results
+from timing import alternating_medians, call_ms, copy_bandwidth, copy_same_bytes_ms, graph_ms
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 from minimax_h3 import H3Config, H3Model, example_inputs, init_weights  # noqa: E402

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import json
 import os
 import sys
 
@@ -34,6 +33,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 from minimax_h3 import H3Config, H3Model, euler_sample, example_inputs, init_weights  # noqa: E402
+from record import write_results  # noqa: E402
 
 VARIANTS = {"h3_fused_bf16": ("h3_fused", {"dtype_policy": "bf16"}),
             "inductor_epc": ("inductor", {"emulate_precision_casts": True})}
@@ -233,9 +233,7 @@ def main():
     if args.locate_depth:
         for client in args.clients:
             rows += locate_rows(client, args.tokens[0], args.locate_depth)
-    with open(args.out, "w") as f:
-        device = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"
-        json.dump(dict(device=device, torch=torch.__version__, rows=rows), f, indent=1)
+    write_results(args.out, rows)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ def plot_bandwidth(rows, dst: str) -> None:
         ax.set_xlabel("tokens T")
     axes[0].set_ylabel("GB/s over the minimal bytes")
     axes[-1].legend(fontsize=7)
-    fig.suptitle(f"{rows[0]['gpu']}, torch {rows[0]['torch']}, triton {rows[0]['triton']}")
+    fig.suptitle(f"{rows[0]['device']}, torch {rows[0]['torch']}, triton {rows[0]['triton']}")
     fig.tight_layout()
     fig.savefig(dst, dpi=120)
 

@@ -118,7 +118,7 @@ def main(src: str, readme: bool, over_copy: str | None = None) -> None:
         return
     main_rows = [r for r in rows if not r["variant"].startswith("sweep")]
     variants = list(dict.fromkeys(r["variant"] for r in main_rows))
-    print(f"{rows[0]['gpu']}, torch {rows[0]['torch']}, triton {rows[0]['triton']}, "
+    print(f"{rows[0]['device']}, torch {rows[0]['torch']}, triton {rows[0]['triton']}, "
           f"copy bandwidth {rows[0]['roof_gbs']:.0f} GB/s\n")
     header, rule, case_cells = _case_columns(main_rows)
     print(header + " | ".join(variants) + " |")

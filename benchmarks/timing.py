@@ -6,18 +6,15 @@
   of the GPU's clocks between them cancels in the medians (how kernel changes are compared: side by side).
 - ``copy_bandwidth``: the roof, a 2 GiB device-to-device copy measured in the same run; ``copy_same_bytes``
   a copy of a given byte count timed as the kernels are (ramp-up and tail included).
-- ``write_results``: one JSON file per benchmark, overwritten by each run, every row stamped with the GPU,
-  torch and Triton it ran on.
+
+What they measured is written by ``record.write_results``.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import statistics
 
 import torch
-import triton
 from triton.testing import do_bench, do_bench_cudagraph
 
 _FLUSH_BUFFER = None
@@ -81,16 +78,3 @@ def copy_same_bytes_ms(nbytes: int) -> float:
     src = torch.empty(nbytes // 4, dtype=torch.bfloat16, device="cuda")
     dst = torch.empty_like(src)
     return graph_ms(lambda: dst.copy_(src))
-
-
-def environment() -> dict:
-    return dict(gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", torch=torch.__version__,
-                triton=triton.__version__)
-
-
-def write_results(path: str, rows: list[dict]) -> None:
-    """``rows`` as one JSON list at ``path`` (overwritten), each row stamped with ``environment()``."""
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    meta = environment()
-    with open(path, "w") as f:
-        json.dump([dict(meta, **r) for r in rows], f, indent=1)

@@ -20,7 +20,7 @@ def test_exactness_writes_a_row_per_case_a_trajectory_row_and_a_block_row_per_va
                           "--steps", "2", "--locate-depth", "1", "--out", str(out)],
                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-2000:]
-    rows = json.loads(out.read_text())["rows"]
+    rows = json.loads(out.read_text())
     forward = [r for r in rows if r["kind"] == "forward"]
     assert {(r["mode"], r["variant"]) for r in forward} == {
         (mode, variant) for mode in ("regional", "whole") for variant in ("h3_fused_bf16", "inductor_epc")}
