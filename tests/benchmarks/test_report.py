@@ -14,10 +14,10 @@ def _rows(hidden=(5376,), tokens=(3072, 15808)) -> list[dict]:
     for h in hidden:
         for t in tokens:
             for i, variant in enumerate(MEASURED):
-                rows.append(dict(gpu="H200", torch="2.11", triton="3.6", site="A", H=h, T=t, variant=variant,
+                rows.append(dict(device="H200", torch="2.11", triton="3.6", site="A", H=h, T=t, variant=variant,
                                  us=30.0 + i, us_graph=20.0 + i + h / 1024, roof_gbs=4000.0,
                                  roof_share=0.5 + i / 100, mismatch=0.0 if variant == "eager" else 3.2e-6))
-            rows.append(dict(gpu="H200", torch="2.11", triton="3.6", site="A", H=h, T=t, variant="copy_same_bytes",
+            rows.append(dict(device="H200", torch="2.11", triton="3.6", site="A", H=h, T=t, variant="copy_same_bytes",
                              us_graph=18.2, roof_gbs=4000.0, roof_share=0.857))
     return rows
 
