@@ -97,18 +97,18 @@ def _normed_input_gradient(dy, scale, w, act: tl.constexpr, HAS_WEIGHT: tl.const
 
 
 @triton.jit
-def _input_gradients(dy, u32, r, mean_product, du, scale, w, act: tl.constexpr, HAS_GATE: tl.constexpr,
+def _input_gradients(dy, u32, r, minus_mean_product, du, scale, w, act: tl.constexpr, HAS_GATE: tl.constexpr,
                      HAS_NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr, ROUND_NORM: tl.constexpr,
                      ROUND_NORM_BEFORE_WEIGHT: tl.constexpr, ROUND_AFFINE: tl.constexpr, INTERPRETED: tl.constexpr):
-    """``(du_t, dn, normed, n)`` of a block of a row's columns (or of several rows', ``r`` and ``mean_product``
-    broadcast to it): the gradient reaching the site's residual, the gradient reaching the norm's output, the
+    """``(du_t, dn, normed, n)`` of a block of a row's columns (or of several rows', ``r`` and
+    ``minus_mean_product = -mean(dxhat * xhat)`` broadcast to it): the gradient reaching the site's residual, the gradient reaching the norm's output, the
     normalized row (``R(xhat)`` where the norm rounds before the weight) and the norm's output. Without a norm
     ``du_t`` is the incoming ``du`` (fp32) and the others are it too (unused)."""
     if HAS_NORM:
         xhat = u32 * r
         dn, dxhat = _normed_input_gradient(dy, scale, w, act, HAS_WEIGHT, ROUND_NORM, ROUND_NORM_BEFORE_WEIGHT,
                                            ROUND_AFFINE, INTERPRETED)
-        centred = tl.fma(-xhat, mean_product, dxhat)  # dxhat - xhat * mean_product
+        centred = tl.fma(xhat, minus_mean_product, dxhat)  # dxhat - xhat * mean(dxhat * xhat), one rounding
         if ROUND_NORM:
             du_n = rounded(r * centred, act, INTERPRETED)
             du_t = rounded(du + du_n, act, INTERPRETED) if HAS_GATE else du_n
@@ -228,7 +228,7 @@ def modulation_backward_kernel(
             dus = _chunks(du_ptr, t, stride_du, s < end, lanes, HAS_GATE and EARLY_STREAMS, CHUNK, HIDDEN)
             branches = _chunks(branch_ptr, t, stride_branch, s < end, lanes, NEED_GATE and EARLY_STREAMS, CHUNK,
                                HIDDEN)
-            r, mean_product = 0.0, 0.0
+            r, minus_mean_product = 0.0, 0.0
             if HAS_NORM:  # pass 1: the row's sum of squares and sum(dxhat * u)
                 squares = tl.zeros([CHUNK], tl.float32)
                 products = tl.zeros([CHUNK], tl.float32)
@@ -244,7 +244,8 @@ def modulation_backward_kernel(
                     products = tl.fma(dxhat, u32, products)
                 r = rsqrt(tl.fma(tl.sum(squares, axis=0), tl.cast(1.0 / HIDDEN, tl.float32), tl.cast(eps, tl.float32)),
                           INTERPRETED)
-                mean_product = tl.sum(products, axis=0) * r * tl.cast(1.0 / HIDDEN, tl.float32)  # mean(dxhat * xhat)
+                # -mean(dxhat * xhat): the sign in the constant, the same bits as negating the mean
+                minus_mean_product = tl.sum(products, axis=0) * r * tl.cast(-1.0 / HIDDEN, tl.float32)
             for c in tl.static_range(CHUNKS):  # pass 2: the row's gradients
                 cols = c * CHUNK + lanes
                 ok = cols < HIDDEN
@@ -255,7 +256,7 @@ def modulation_backward_kernel(
                     dy, u32 = dys[c], widened(us[c])
                     scale = _chunk_of(scales, c, scale_ptr, k, stride_scale, cols, ok, HOIST_TABLES)
                     w = _chunk_of(ws, c, w_ptr, 0, 0, cols, ok, HOIST_TABLES) if HAS_WEIGHT else 0.0
-                du_t, dn, normed, n = _input_gradients(dy, u32, r, mean_product, du, scale, w, act, HAS_GATE, HAS_NORM,
+                du_t, dn, normed, n = _input_gradients(dy, u32, r, minus_mean_product, du, scale, w, act, HAS_GATE, HAS_NORM,
                                                        HAS_WEIGHT, ROUND_NORM, ROUND_NORM_BEFORE_WEIGHT, ROUND_AFFINE,
                                                        INTERPRETED)
                 if NEED_W:

@@ -141,11 +141,11 @@ def test_out_of_range_index_traps_with_a_message(compiled):
     kernels with ``debug = assert_indirect_indexing`` (default on): both keep the device assertion."""
     call = "torch.compile(fused_site('A', 'bf16'))" if compiled else "fused_site('A', 'bf16')"
     code = (
-        "import torch; from sites import make_inputs, fused_site\n"
+        "import torch; from h3_fused.kernels.testing import make_inputs, fused_site\n"
         "inp = make_inputs('A', 64); inp['index'][17] = 6\n"
         f"{call}(**inp); torch.cuda.synchronize()\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+    proc = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, timeout=300,
                           env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     assert proc.returncode != 0
     assert "index out of range" in proc.stdout + proc.stderr
