@@ -1,10 +1,16 @@
 """Argument checking for the fused modulation ops.
 
-Every op reads activations ``[..., H]`` as ``R`` rows of ``H`` (row-strided views are read in place;
-other layouts are copied), tables ``[K, H]`` with any row stride, and an int32/int64 ``index`` shaped
-like the activations without the last dim (read as ``R`` contiguous entries: other layouts are copied); a plain
-RMSNorm (``x`` and its weight, no tables) has no index. Bad input raises ``ValueError``/``TypeError`` naming the
-argument.
+Every op reads activations ``[..., H]`` as ``R`` rows of ``H`` (row-strided views are read in place; other
+layouts are copied) and takes its modulation rows (``shift``, ``scale``, ``gate``) from one of two row sources:
+
+- ``index`` given: tables ``[K, H]`` with any row stride, and an int32/int64 ``index`` shaped like the activations
+  without the last dim (read as ``R`` contiguous entries: other layouts are copied), a table row per token;
+- ``index`` None: rows that broadcast to the activations, ``H`` wide (one per sample, ``[B, 1, H]`` or
+  ``[B, H][:, None]``; one per token, ``[B, T, H]``; one for all, ``[H]``), read in place as ``[B, T, H]``
+  views whose sample and token strides may be 0.
+
+A plain norm (``x`` and its weight, no tables) has neither. Bad input raises ``ValueError``/``TypeError`` naming
+the argument.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from .policy import check_policy, resolve_policy
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)  # fp64: the reference only
 TABLE_DTYPES = ACTIVATION_DTYPES
 INDEX_DTYPES = (torch.int32, torch.int64)
+NORMS = ("rms", "layer")
 
 
 def check_tensor(name: str, t: object, dtypes) -> torch.Tensor:
@@ -46,6 +53,27 @@ def check_table(name: str, t: object, hidden: int) -> torch.Tensor:
     return t if t.stride(1) == 1 else t.contiguous()
 
 
+def check_rows(name: str, t: object, shape: torch.Size) -> torch.Tensor:
+    """Modulation rows broadcast to the activations of ``shape``, as a ``[B, T, H]`` view (``B`` the product of
+    the leading dims before the token dim, ``T`` the token dim): a view of ``t`` where the strides allow, else
+    a copy."""
+    check_tensor(name, t, TABLE_DTYPES)
+    hidden = shape[-1]
+    if t.dim() == 0 or t.shape[-1] != hidden or t.dim() > len(shape) or any(
+            n != 1 and n != s for n, s in zip(reversed(t.shape), reversed(shape))):
+        raise ValueError(f"{name} must be rows of H={hidden} that broadcast to the activations {tuple(shape)}, "
+                         f"got shape {tuple(t.shape)}")
+    if t.stride(-1) != 1 and hidden != 1:
+        t = t.contiguous()
+    tokens = shape[-2] if len(shape) > 1 else 1
+    samples = t.new_empty(shape[:-2]).numel() if len(shape) > 2 else 1
+    expanded = t.expand(shape)
+    try:
+        return expanded.view(samples, tokens, hidden)
+    except RuntimeError:  # leading dims whose strides do not merge
+        return expanded.reshape(samples, tokens, hidden)
+
+
 def check_index_on_host(index: torch.Tensor, num_table_rows: int) -> None:
     """Raise ``IndexError`` naming the first entry of ``index`` outside ``[0, num_table_rows)`` (where the kernel
     cannot raise: under the interpreter, and before the reference's gathers, whose error names no row). The
@@ -66,17 +94,19 @@ class ModulationArgs:
     x: torch.Tensor | None  # site A input rows
     residual: torch.Tensor | None  # sites B, C
     branch: torch.Tensor | None
-    gate: torch.Tensor | None
+    gate: torch.Tensor | None  # [K, H] with an index; else [B, T, H] rows (sample and token strides, maybe 0)
     weight: torch.Tensor | None
     shift: torch.Tensor | None
     scale: torch.Tensor | None
-    index: torch.Tensor | None  # None for a plain RMSNorm
+    index: torch.Tensor | None  # None where the rows are given as rows, and for a plain norm
     out_shape: torch.Size
     dtype: torch.dtype
     device: torch.device
     eps: float
     policy: str
     rounding: Rounding
+    has_norm: bool = True  # site A or B, or a plain norm; site C has none
+    norm: str = "rms"  # "rms": x * rsqrt(mean(x^2) + eps); "layer": (x - mean) * rsqrt(var + eps)
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -85,7 +115,12 @@ class ModulationArgs:
 
     @property
     def rows(self) -> int:
-        return self.index.numel() if self.index is not None else self.x.shape[0]
+        return self.index.numel() if self.index is not None else self.lead.shape[0]
+
+    @property
+    def lead(self) -> torch.Tensor:
+        """The rows the outputs are shaped as: ``x`` or the residual."""
+        return self.x if self.x is not None else self.residual
 
     @property
     def static_rows(self) -> int | None:
@@ -97,26 +132,40 @@ class ModulationArgs:
         return self.out_shape[-1]
 
     @property
-    def has_norm(self) -> bool:
-        """Site A or B, or a plain RMSNorm (no index)."""
-        return self.scale is not None or self.index is None
-
-    @property
     def has_affine(self) -> bool:
         return self.scale is not None
 
     @property
+    def tables(self) -> tuple[torch.Tensor, ...]:
+        return tuple(t for t in (self.gate, self.shift, self.scale) if t is not None)
+
+    @property
+    def gathered(self) -> bool:
+        """Whether the modulation rows are gathered from ``[K, H]`` tables by the index (else they are given as
+        ``[B, T, H]`` rows; a plain norm has none)."""
+        return self.index is not None
+
+    @property
     def num_table_rows(self) -> int:
-        """The rows every table has (0 for a plain RMSNorm, which has none)."""
-        return min((t.shape[0] for t in (self.gate, self.shift, self.scale) if t is not None), default=0)
+        """The rows every table has, where gathered (0 otherwise)."""
+        return min((t.shape[0] for t in self.tables), default=0) if self.gathered else 0
+
+    @property
+    def tokens(self) -> int:
+        """The rows of one sample where the modulation rows are given as ``[B, T, H]`` rows (``T``; else 1)."""
+        return self.tables[0].shape[1] if self.tables and not self.gathered else 1
 
 
 def check_args(*, x=None, residual=None, branch=None, gate=None, weight=None, shift=None, scale=None,
                index=None, eps: float = 0.0, policy: str, norm_rounds_before_weight: bool = False,
-               upcast_tables: bool = False, has_norm: bool) -> ModulationArgs:
-    """The checked arguments of a site (``index`` with its tables), or of a plain RMSNorm of ``x`` (``has_norm``,
-    no tables, no index)."""
+               upcast_tables: bool = False, has_norm: bool, norm: str = "rms",
+               norm_in_fp32: bool = False) -> ModulationArgs:
+    """The checked arguments of a site (tables gathered by ``index``, or rows given without one), or of a plain
+    norm of ``x`` (``has_norm``, no tables, no index). ``norm``: ``"rms"`` or ``"layer"``; ``norm_in_fp32``: the
+    norm is computed on the activations upcast to fp32 and its output is not rounded (the affine then fp32)."""
     check_policy(policy)
+    if norm not in NORMS:
+        raise ValueError(f"norm must be one of {NORMS}, got {norm!r}")
     lead = x if x is not None else residual
     lead_name = "x" if x is not None else "residual"
     check_tensor(lead_name, lead, ACTIVATION_DTYPES)
@@ -130,18 +179,22 @@ def check_args(*, x=None, residual=None, branch=None, gate=None, weight=None, sh
             raise ValueError(f"branch must have the shape of residual {tuple(shape)}, got {tuple(branch.shape)}")
         if branch.dtype != dtype:
             raise TypeError(f"branch must have the dtype of residual ({dtype}), got {branch.dtype}")
-    plain_norm = has_norm and x is not None and gate is None and shift is None and scale is None
-    if not (plain_norm and index is None):
+    given = {k: v for k, v in {"gate": gate, "shift": shift, "scale": scale}.items() if v is not None}
+    plain_norm = has_norm and x is not None and not given
+    if plain_norm and index is not None:
+        raise ValueError("index must be None for a norm without modulation tables")
+    if index is not None:
         check_tensor("index", index, INDEX_DTYPES)
-    if index is not None and index.shape != shape[:-1]:
-        raise ValueError(f"index must have the shape of the activations without the last dim "
-                         f"{tuple(shape[:-1])}, got {tuple(index.shape)}")
-    tables = {"gate": gate, "shift": shift, "scale": scale}
-    tables = {k: check_table(k, v, hidden) for k, v in tables.items() if v is not None}
+        if index.shape != shape[:-1]:
+            raise ValueError(f"index must have the shape of the activations without the last dim "
+                             f"{tuple(shape[:-1])}, got {tuple(index.shape)}")
+        tables = {k: check_table(k, v, hidden) for k, v in given.items()}
+    else:
+        tables = {k: check_rows(k, v, shape) for k, v in given.items()}
     if shift is not None and scale is not None:
         if tables["shift"].dtype != tables["scale"].dtype:
             raise TypeError(f"shift and scale must share a dtype, got {shift.dtype} and {scale.dtype}")
-        if shift.shape[0] != scale.shape[0]:
+        if index is not None and shift.shape[0] != scale.shape[0]:
             raise ValueError(f"shift and scale must have the same rows K, got {shift.shape[0]} and {scale.shape[0]}")
     if weight is not None:
         check_tensor("weight", weight, ACTIVATION_DTYPES)
@@ -160,12 +213,13 @@ def check_args(*, x=None, residual=None, branch=None, gate=None, weight=None, sh
     resolved = resolve_policy(policy, device)
     rounding = rounding_for(resolved, dtype, tables["gate"].dtype if "gate" in tables else None,
                             tables["shift"].dtype if "shift" in tables else None,
-                            norm_rounds_before_weight=norm_rounds_before_weight, upcast_tables=upcast_tables)
+                            norm_rounds_before_weight=norm_rounds_before_weight, upcast_tables=upcast_tables,
+                            norm_in_fp32=norm_in_fp32, layer_norm=norm == "layer")
     return ModulationArgs(
         x=as_rows("x", x, hidden) if x is not None else None,
         residual=as_rows("residual", residual, hidden) if residual is not None else None,
         branch=as_rows("branch", branch, hidden) if branch is not None else None,
         gate=tables.get("gate"), weight=weight, shift=tables.get("shift"), scale=tables.get("scale"),
         index=index.reshape(-1).contiguous() if index is not None else None, out_shape=shape, dtype=dtype,
-        device=device, eps=float(eps), policy=resolved, rounding=rounding,
+        device=device, eps=float(eps), policy=resolved, rounding=rounding, has_norm=has_norm, norm=norm,
     )

@@ -32,7 +32,8 @@ class Rounding:
     residual ``u = R_A(res + gate*branch)`` and the output ``y = R_A(...)``, which always round.
 
     gate_product: ``g = R_A(gate[idx] * branch)`` before the residual add (bf16/fp16 gate tables).
-    norm_output: ``n = R_A(norm(u))`` (the norm returns the activation dtype).
+    norm_output: ``n = R_A(norm(u))`` (the norm returns the activation dtype; not where the graph normalizes the
+    activations upcast to fp32 and keeps the norm's output in fp32).
     norm_before_weight: ``n = R_A(R_A(u * r) * w)`` (the native RMSNorm) instead of ``R_A(u * r * w)``.
     affine: ``p = R_A(1 + scale[idx])``, ``q = R_A(n * p)`` (bf16/fp16 modulation tables).
     fused_multiply_add: ``res + gate[idx] * branch`` and ``n * p + shift[idx]`` may each be one fused
@@ -43,7 +44,8 @@ class Rounding:
     norm_sum_order: the eager CUDA kernel whose order of the norm's fp32 sum of squares, and whose mean, the
     forward kernel reproduces, so that ``r`` is eager's bit for bit: ``SumOrder.FUSED_RMS_NORM`` for
     ``nn.RMSNorm`` and ``F.rms_norm`` (one rounding, ``norm_before_weight`` false); ``SumOrder.MEAN`` for the
-    native RMSNorm; ``SumOrder.OWN``: the kernel's own order. Reproduced where eager takes the path measured
+    native RMSNorm; ``SumOrder.OWN``: the kernel's own order (a LayerNorm's mean and variance, whose eager
+    kernel's Welford order is not reproduced). Reproduced where eager takes the path measured
     (``launch.norm_sum_order`` says where: ``H`` a multiple of 4, rows aligned to 4 elements, which the launch
     does not check of a view; for ``MEAN`` at least 16 rows).
 
@@ -77,17 +79,19 @@ class Rounding:
 
 def rounding_for(policy: str, activation: torch.dtype, gate_table: torch.dtype | None,
                  mod_table: torch.dtype | None, *, norm_rounds_before_weight: bool,
-                 upcast_tables: bool) -> Rounding:
-    """The rounding points of the eager graph under ``bf16``; only the stored ones under ``fp32``."""
+                 upcast_tables: bool, norm_in_fp32: bool = False, layer_norm: bool = False) -> Rounding:
+    """The rounding points of the eager graph under ``bf16``; only the stored ones under ``fp32``.
+    ``norm_in_fp32``: the graph normalizes the activations upcast to fp32 and keeps the norm's output (and so
+    the affine) in fp32; ``layer_norm``: its norm is a LayerNorm, whose sums the kernel adds in its own order."""
     if policy == "fp32":
         return Rounding(False, False, False, False, fused_multiply_add=True)
-    sum_order = SumOrder.MEAN if norm_rounds_before_weight else SumOrder.FUSED_RMS_NORM
+    sum_order = SumOrder.OWN if layer_norm else SumOrder.MEAN if norm_rounds_before_weight else SumOrder.FUSED_RMS_NORM
     if activation in (torch.float32, torch.float64):  # nothing to round to
         return Rounding(False, False, False, False, norm_sum_order=sum_order)
 
     def low(table):
         return table is not None and table == activation and not upcast_tables
 
-    return Rounding(gate_product=low(gate_table), norm_output=True,
-                    norm_before_weight=norm_rounds_before_weight, affine=low(mod_table),
+    return Rounding(gate_product=low(gate_table), norm_output=not norm_in_fp32,
+                    norm_before_weight=norm_rounds_before_weight, affine=low(mod_table) and not norm_in_fp32,
                     norm_sum_order=sum_order)

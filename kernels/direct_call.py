@@ -116,4 +116,5 @@ def plan_direct_call(signature: inspect.Signature, args: tuple, kwargs: dict) ->
         return None
     on_host = a.device.type == "cpu"  # the interpreter: no kernel assertion guards the index
     return DirectLaunch(launch, positions, a.device, want_u=a.gate is not None, want_y=a.scale is not None,
-                        index_position=names.index("index") if on_host else None, num_table_rows=a.num_table_rows)
+                        index_position=names.index("index") if on_host and a.gathered else None,
+                        num_table_rows=a.num_table_rows)

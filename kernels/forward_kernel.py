@@ -109,13 +109,14 @@ def _chunk(c: tl.constexpr, row_ok, CHUNK: tl.constexpr, HIDDEN: tl.constexpr):
 
 @triton.jit
 def _new_residual(
-    x_ptr, res_ptr, branch_ptr, gate_ptr, u_ptr, rows, idx, zero, start: tl.constexpr, lanes, mask,
-    stride_x, stride_res, stride_branch, stride_gate,
+    x_ptr, res_ptr, branch_ptr, gate_ptr, u_ptr, rows, q, i, zero, start: tl.constexpr, lanes, mask,
+    stride_x, stride_res, stride_branch, stride_gate, stride_gate_token,
     HIDDEN: tl.constexpr, HAS_GATE: tl.constexpr, ROUND_GATE: tl.constexpr, FUSE_MULTIPLY_ADD: tl.constexpr,
-    INTERPRETED: tl.constexpr,
+    GATHERED: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
     """One chunk of ``u`` in the activation dtype: the gated residual (sites B, C; stored by the caller), or
-    the loaded ``x``.
+    the loaded ``x``. The gate's row is ``_table_chunk``'s ``(q, i)``; where the rows are given (not
+    ``GATHERED``), the zero that keeps the product from an FMA is the gate's own NaN test, element by element.
 
     The activations are read once, so they bypass L1 (``.cg``), leaving it to the table rows that every
     program on the SM reads again (docs/DESIGN.md, "Cache hints")."""
@@ -125,7 +126,9 @@ def _new_residual(
                       cache_modifier=".cg")
         branch = tl.load(branch_ptr + rows[:, None] * stride_branch + start + lanes[None, :], mask=mask, other=0.0,
                          cache_modifier=".cg")
-        gate = tl.load(gate_ptr + idx[:, None] * stride_gate + start + lanes[None, :], mask=mask, other=0.0)
+        gate = _table_chunk(gate_ptr, q, i, start, lanes, mask, stride_gate, stride_gate_token, GATHERED)
+        if not GATHERED:
+            zero = (gate != gate).to(tl.int32)
         if FUSE_MULTIPLY_ADD and gate.dtype == act:
             u = sum_rounded_once(gate, branch, res, INTERPRETED)
         elif FUSE_MULTIPLY_ADD:  # explicit, whatever Triton's default for contracting multiply-adds
@@ -149,35 +152,39 @@ def _weight_chunk(w_ptr, start: tl.constexpr, lanes, HIDDEN: tl.constexpr):
 
 
 @triton.jit
-def _table_chunk(table_ptr, idx, start: tl.constexpr, lanes, mask, stride):
-    """Chunk ``start`` of row ``idx`` of a ``[K, H]`` table."""
-    return tl.load(table_ptr + idx[:, None] * stride + start + lanes[None, :], mask=mask, other=0.0)
+def _table_chunk(table_ptr, q, i, start: tl.constexpr, lanes, mask, stride, stride_token, GATHERED: tl.constexpr):
+    """Chunk ``start`` of each row's modulation row: row ``q`` (the index's entry) of a ``[K, H]`` table where
+    ``GATHERED``, else token ``i`` of sample ``q`` of ``[B, T, H]`` rows (``stride``, ``stride_token``: their
+    strides, either maybe 0)."""
+    row = q[:, None] * stride if GATHERED else q[:, None] * stride + i[:, None] * stride_token
+    return tl.load(table_ptr + row + start + lanes[None, :], mask=mask, other=0.0)
 
 
 @triton.jit
-def _tables_chunk(w_ptr, shift_ptr, scale_ptr, idx, c: tl.constexpr, row_ok, stride_shift, stride_scale,
-                  HIDDEN: tl.constexpr, CHUNK: tl.constexpr, HAS_WEIGHT: tl.constexpr):
+def _tables_chunk(w_ptr, shift_ptr, scale_ptr, q, i, c: tl.constexpr, row_ok, stride_shift, stride_scale,
+                  stride_shift_token, stride_scale_token, HIDDEN: tl.constexpr, CHUNK: tl.constexpr,
+                  HAS_WEIGHT: tl.constexpr, GATHERED: tl.constexpr):
     """Chunk ``c`` of the weight (0.0 without one), ``scale[i]`` and ``shift[i]``, for ``PRELOAD_TABLE_CHUNKS``."""
     lanes, mask = _chunk(c, row_ok, CHUNK, HIDDEN)
     w = _weight_chunk(w_ptr, c * CHUNK, lanes, HIDDEN) if HAS_WEIGHT else 0.0
-    return (w, _table_chunk(scale_ptr, idx, c * CHUNK, lanes, mask, stride_scale),
-            _table_chunk(shift_ptr, idx, c * CHUNK, lanes, mask, stride_shift))
+    return (w, _table_chunk(scale_ptr, q, i, c * CHUNK, lanes, mask, stride_scale, stride_scale_token, GATHERED),
+            _table_chunk(shift_ptr, q, i, c * CHUNK, lanes, mask, stride_shift, stride_shift_token, GATHERED))
 
 
 @triton.jit
 def _modulated(
-    u, r, w_ptr, shift_ptr, scale_ptr, y_ptr, idx, zero, start: tl.constexpr, lanes, mask,
-    stride_shift, stride_scale, tables,
+    u, mean, r, w_ptr, shift_ptr, scale_ptr, y_ptr, q, i, zero, start: tl.constexpr, lanes, mask,
+    stride_shift, stride_scale, stride_shift_token, stride_scale_token, tables,
     HIDDEN: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_AFFINE: tl.constexpr, ROUND_NORM: tl.constexpr,
     ROUND_NORM_BEFORE_WEIGHT: tl.constexpr, ROUND_AFFINE: tl.constexpr, FUSE_MULTIPLY_ADD: tl.constexpr,
-    INTERPRETED: tl.constexpr, PRELOAD_TABLE_CHUNKS: tl.constexpr,
+    LAYER_NORM: tl.constexpr, GATHERED: tl.constexpr, INTERPRETED: tl.constexpr, PRELOAD_TABLE_CHUNKS: tl.constexpr,
 ):
     """One chunk of ``y = R(R(norm(u)) * R(1 + scale[i]) + shift[i])`` (roundings as the flags say), or without
-    ``HAS_AFFINE`` of ``y = R(norm(u))``, returned in the activation dtype for the caller to store. The weight,
-    scale and shift chunks are ``tables`` (loaded by the caller) under ``PRELOAD_TABLE_CHUNKS``, else loaded
-    here, each just before its first use."""
+    ``HAS_AFFINE`` of ``y = R(norm(u))``, returned in the activation dtype for the caller to store; the norm is
+    ``u * r``, or ``(u - mean) * r`` under ``LAYER_NORM``. The weight, scale and shift chunks are ``tables``
+    (loaded by the caller) under ``PRELOAD_TABLE_CHUNKS``, else loaded here, each just before its first use."""
     act: tl.constexpr = y_ptr.dtype.element_ty
-    n = u * r[:, None]
+    n = (u - mean[:, None]) * r[:, None] if LAYER_NORM else u * r[:, None]
     if HAS_WEIGHT:
         w = tables[0] if PRELOAD_TABLE_CHUNKS else _weight_chunk(w_ptr, start, lanes, HIDDEN)
         if ROUND_NORM_BEFORE_WEIGHT:
@@ -186,8 +193,12 @@ def _modulated(
     if ROUND_NORM:
         n = rounded(n, act, INTERPRETED)
     if HAS_AFFINE:  # an else, not an early return: Triton builds what follows a return in a static if
-        scale = tables[1] if PRELOAD_TABLE_CHUNKS else _table_chunk(scale_ptr, idx, start, lanes, mask, stride_scale)
-        shift = tables[2] if PRELOAD_TABLE_CHUNKS else _table_chunk(shift_ptr, idx, start, lanes, mask, stride_shift)
+        scale = tables[1] if PRELOAD_TABLE_CHUNKS else _table_chunk(scale_ptr, q, i, start, lanes, mask, stride_scale,
+                                                                    stride_scale_token, GATHERED)
+        shift = tables[2] if PRELOAD_TABLE_CHUNKS else _table_chunk(shift_ptr, q, i, start, lanes, mask, stride_shift,
+                                                                    stride_shift_token, GATHERED)
+        if not GATHERED:  # the given rows: the zero from the scale row itself, element by element (``_new_residual``)
+            zero = (scale != scale).to(tl.int32)
         if ROUND_AFFINE:  # a plain conversion: LLVM narrows the rounded affine to packed bf16 arithmetic
             scale, shift = scale.to(tl.float32), shift.to(tl.float32)
             p = rounded(1.0 + scale, act, INTERPRETED)
@@ -317,12 +328,13 @@ def _touch_table_rows(program, w_ptr, shift_ptr, scale_ptr, gate_ptr, num_table_
 @triton.jit(debug=True)
 def modulation_kernel(
     x_ptr, res_ptr, branch_ptr, gate_ptr, w_ptr, shift_ptr, scale_ptr, idx_ptr, u_ptr, y_ptr,
-    n_rows, num_table_rows, eps,
+    n_rows, num_table_rows, tokens, eps,
     stride_x, stride_res, stride_branch, stride_gate, stride_shift, stride_scale,
+    stride_gate_token, stride_shift_token, stride_scale_token,
     HIDDEN: tl.constexpr, HAS_GATE: tl.constexpr, HAS_NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-    HAS_AFFINE: tl.constexpr, ROUND_GATE: tl.constexpr, ROUND_NORM: tl.constexpr,
-    ROUND_NORM_BEFORE_WEIGHT: tl.constexpr, ROUND_AFFINE: tl.constexpr, FUSE_MULTIPLY_ADD: tl.constexpr,
-    NORM_SUM_ORDER: tl.constexpr, INTERPRETED: tl.constexpr,
+    HAS_AFFINE: tl.constexpr, GATHERED: tl.constexpr, LAYER_NORM: tl.constexpr, ROUND_GATE: tl.constexpr,
+    ROUND_NORM: tl.constexpr, ROUND_NORM_BEFORE_WEIGHT: tl.constexpr, ROUND_AFFINE: tl.constexpr,
+    FUSE_MULTIPLY_ADD: tl.constexpr, NORM_SUM_ORDER: tl.constexpr, INTERPRETED: tl.constexpr,
     BLOCK_T: tl.constexpr, CHUNK: tl.constexpr, PRELOAD_TABLE_CHUNKS: tl.constexpr, WARM_ROWS_AHEAD: tl.constexpr,
     WARM_TABLES_FIRST: tl.constexpr, WARMING_LANES: tl.constexpr,
 ):
@@ -340,26 +352,32 @@ def modulation_kernel(
         rows = rows_program * BLOCK_T + tl.arange(0, BLOCK_T)
         row_ok = rows < n_rows
         HAS_TABLES: tl.constexpr = HAS_GATE or HAS_AFFINE
-        if HAS_TABLES:
+        if HAS_TABLES and GATHERED:  # q: the table row; i: unused
             idx = tl.load(idx_ptr + rows, mask=row_ok, other=0).to(tl.int64)
             bad = row_ok & ((idx < 0) | (idx >= num_table_rows))
             zero = (idx < 0).to(tl.int32)[:, None]  # 0 wherever the result is defined (see ``device_math.mul_rn``)
-            idx = tl.where(bad, 0, idx)  # every load reads in bounds, whatever the index
-        else:  # a plain norm: no index; the zero from a loaded value, 1 only on a row whose outputs are NaN anyway
-            first = tl.load(x_ptr + rows * stride_x, mask=row_ok, other=0.0)
+            q = tl.where(bad, 0, idx)  # every load reads in bounds, whatever the index
+            i = q
+        else:  # given rows (q: the sample, i: its token) or a plain norm (no rows): the zero from a loaded value, 1
+            # only on a row whose norm's outputs are NaN anyway (the products of given rows take their own)
+            first = tl.load((x_ptr if HAS_NORM and not HAS_GATE else res_ptr) + rows * (
+                stride_x if HAS_NORM and not HAS_GATE else stride_res), mask=row_ok, other=0.0)
             zero = (first != first).to(tl.int32)[:, None]
-            idx = rows  # read by no load
+            q = rows // tokens
+            i = rows - q * tokens
 
         kept = ()  # the row's chunks of u, in the activation dtype (exact: u is rounded to it or loaded in it)
         squares = tl.zeros([BLOCK_T, CHUNK // 4 if NORM_SUM_ORDER == FUSED_RMS_NORM_ORDER else CHUNK], tl.float32)
         for c in tl.static_range(triton.cdiv(HIDDEN, CHUNK)):
             lanes, mask = _chunk(c, row_ok, CHUNK, HIDDEN)
-            u = _new_residual(x_ptr, res_ptr, branch_ptr, gate_ptr, u_ptr, rows, idx, zero, c * CHUNK, lanes, mask,
-                              stride_x, stride_res, stride_branch, stride_gate, HIDDEN, HAS_GATE, ROUND_GATE,
-                              FUSE_MULTIPLY_ADD, INTERPRETED)
+            u = _new_residual(x_ptr, res_ptr, branch_ptr, gate_ptr, u_ptr, rows, q, i, zero, c * CHUNK, lanes, mask,
+                              stride_x, stride_res, stride_branch, stride_gate, stride_gate_token, HIDDEN, HAS_GATE,
+                              ROUND_GATE, FUSE_MULTIPLY_ADD, GATHERED, INTERPRETED)
             if HAS_NORM:
                 wide = widened(u)
-                if NORM_SUM_ORDER == FUSED_RMS_NORM_ORDER:
+                if LAYER_NORM:  # the sum of the values, for the mean
+                    squares += wide
+                elif NORM_SUM_ORDER == FUSED_RMS_NORM_ORDER:
                     squares = _add_squares_as_fused_rms_norm(squares, wide)
                 elif NORM_SUM_ORDER == MEAN_ORDER:
                     squares = _add_squares_as_mean(squares, wide, zero)
@@ -368,39 +386,52 @@ def modulation_kernel(
             kept = kept + (u,)
         tables = (0.0, 0.0, 0.0)
         if HAS_NORM and PRELOAD_TABLE_CHUNKS and HAS_GATE:  # site B: arriving while the row is reduced (after the check: slower)
-            tables = _tables_chunk(w_ptr, shift_ptr, scale_ptr, idx, 0, row_ok, stride_shift, stride_scale, HIDDEN,
-                                   CHUNK, HAS_WEIGHT)
+            tables = _tables_chunk(w_ptr, shift_ptr, scale_ptr, q, i, 0, row_ok, stride_shift, stride_scale,
+                                   stride_shift_token, stride_scale_token, HIDDEN, CHUNK, HAS_WEIGHT, GATHERED)
         if HAS_GATE:  # after every chunk's loads: a store may alias them, so no load could move above it
             for c in tl.static_range(triton.cdiv(HIDDEN, CHUNK)):
                 lanes, mask = _chunk(c, row_ok, CHUNK, HIDDEN)
                 tl.store(u_ptr + rows[:, None] * HIDDEN + c * CHUNK + lanes[None, :], kept[c], mask=mask)
         # after the activation loads: a load may not move above the assertion's call, which would otherwise
         # hold the row's loads until the index arrives (docs/DESIGN.md, "The index assertion's place")
-        if HAS_TABLES:
+        if HAS_TABLES and GATHERED:
             tl.device_assert(~bad, "h3_fused: index out of range [0, K)")
         if HAS_NORM and PRELOAD_TABLE_CHUNKS and not HAS_GATE:  # site A: after the assertion, so that ptxas does not
             # compute their addresses, which wait for the index, before issuing the activation loads
-            tables = _tables_chunk(w_ptr, shift_ptr, scale_ptr, idx, 0, row_ok, stride_shift, stride_scale, HIDDEN,
-                                   CHUNK, HAS_WEIGHT)
+            tables = _tables_chunk(w_ptr, shift_ptr, scale_ptr, q, i, 0, row_ok, stride_shift, stride_scale,
+                                   stride_shift_token, stride_scale_token, HIDDEN, CHUNK, HAS_WEIGHT, GATHERED)
         if HAS_NORM:
             # fp32 constants and scalars (Inductor may pass eps as a constexpr float, which computes in fp64)
-            if NORM_SUM_ORDER != OWN_ORDER:
+            inverse_h = tl.cast(1.0 / HIDDEN, tl.float32)
+            mean = 0.0
+            if LAYER_NORM:  # the mean, then the variance about it from the row kept in registers, in the kernel's order
+                mean = tl.sum(squares, axis=1) * inverse_h
+                deviations = tl.zeros([BLOCK_T, CHUNK], tl.float32)
+                for c in tl.static_range(triton.cdiv(HIDDEN, CHUNK)):
+                    lanes, mask = _chunk(c, row_ok, CHUNK, HIDDEN)
+                    deviation = tl.where(mask, widened(kept[c]) - mean[:, None], 0.0)
+                    deviations = tl.fma(deviation, deviation, deviations)
+                shifted = tl.fma(tl.sum(deviations, axis=1), inverse_h, tl.cast(eps, tl.float32))
+            elif NORM_SUM_ORDER != OWN_ORDER:
                 shifted = _eager_norm_mean(squares, n_rows, rows_program, zero, HIDDEN, NORM_SUM_ORDER) + \
                     tl.cast(eps, tl.float32)
             else:
-                shifted = tl.fma(tl.sum(squares, axis=1), tl.cast(1.0 / HIDDEN, tl.float32), tl.cast(eps, tl.float32))
+                shifted = tl.fma(tl.sum(squares, axis=1), inverse_h, tl.cast(eps, tl.float32))
             r = rsqrt(shifted, INTERPRETED)
             chunks: tl.constexpr = triton.cdiv(HIDDEN, CHUNK)
             for c in tl.static_range(chunks):
                 lanes, mask = _chunk(c, row_ok, CHUNK, HIDDEN)
                 current = tables
                 if PRELOAD_TABLE_CHUNKS and c + 1 < chunks:  # the next chunk's, before this chunk's store (which may alias them)
-                    tables = _tables_chunk(w_ptr, shift_ptr, scale_ptr, idx, c + 1, row_ok, stride_shift, stride_scale,
-                                           HIDDEN, CHUNK, HAS_WEIGHT)
-                y = _modulated(widened(kept[c]), r, w_ptr, shift_ptr, scale_ptr, y_ptr, idx, zero, c * CHUNK, lanes,
-                               mask, stride_shift, stride_scale, current, HIDDEN, HAS_WEIGHT, HAS_AFFINE, ROUND_NORM,
-                               ROUND_NORM_BEFORE_WEIGHT, ROUND_AFFINE, FUSE_MULTIPLY_ADD, INTERPRETED, PRELOAD_TABLE_CHUNKS)
+                    tables = _tables_chunk(w_ptr, shift_ptr, scale_ptr, q, i, c + 1, row_ok, stride_shift,
+                                           stride_scale, stride_shift_token, stride_scale_token, HIDDEN, CHUNK,
+                                           HAS_WEIGHT, GATHERED)
+                y = _modulated(widened(kept[c]), mean, r, w_ptr, shift_ptr, scale_ptr, y_ptr, q, i, zero, c * CHUNK,
+                               lanes, mask, stride_shift, stride_scale, stride_shift_token, stride_scale_token,
+                               current, HIDDEN, HAS_WEIGHT, HAS_AFFINE, ROUND_NORM, ROUND_NORM_BEFORE_WEIGHT,
+                               ROUND_AFFINE, FUSE_MULTIPLY_ADD, LAYER_NORM, GATHERED, INTERPRETED,
+                               PRELOAD_TABLE_CHUNKS)
                 tl.store(y_ptr + rows[:, None] * HIDDEN + c * CHUNK + lanes[None, :], y, mask=mask)
-        if WARM_ROWS_AHEAD > 0 and HAS_AFFINE:  # last: no register of the row is live any more
+        if WARM_ROWS_AHEAD > 0 and HAS_AFFINE and GATHERED:  # last: no register of the row is live any more
             _touch_coming_table_rows(rows_program, idx_ptr, shift_ptr, scale_ptr, gate_ptr, n_rows, num_table_rows,
                                      stride_shift, stride_scale, stride_gate, HIDDEN, HAS_GATE, BLOCK_T, WARM_ROWS_AHEAD, WARMING_LANES)

@@ -82,7 +82,7 @@ def sum_order_chunk(hidden: int, sum_order: SumOrder) -> int | None:
 
 
 def launch_config(hidden: int, has_gate: bool, has_norm: bool, rows: int | None,
-                  sum_order: SumOrder = SumOrder.OWN, has_affine: bool = True) -> LaunchConfig:
+                  sum_order: SumOrder = SumOrder.OWN, has_affine: bool = True, gathered: bool = True) -> LaunchConfig:
     """Whole rows in registers, read in chunks of one 16-byte vector per thread (8 bf16), so that only the
     last chunk pads ``H``; one row per program (rows shorter than the program's lanes share it).
 
@@ -100,6 +100,9 @@ def launch_config(hidden: int, has_gate: bool, has_norm: bool, rows: int | None,
       to ``SITE_A_FEW_ROWS`` rows (beyond, the extra registers cost more than the early loads gain).
     - ``warm_rows_ahead``: ``WARM_ROWS_AHEAD`` rows for sites A and B.
     - ``warm_tables_first``: site A (B gains nothing from it, C loses), in every sum order.
+
+    Both warmings read table rows by the index: where the rows are given instead (``gathered`` false: one per
+    sample, few, or one per token, streamed like the activations) neither runs.
 
     A plain RMSNorm (``has_norm`` without ``has_affine``) reads no tables: it runs as site A with nothing
     preloaded or warmed (the kernel warms table rows ahead only for a site with an affine).
@@ -125,8 +128,9 @@ def launch_config(hidden: int, has_gate: bool, has_norm: bool, rows: int | None,
             block_t, num_warps = 1, MEAN_ORDER_WARPS
     tables = has_norm and has_affine
     preload = tables and (has_gate or hidden > SITE_A_NARROW_H or at_most(SITE_A_FEW_ROWS))
-    warm_first = tables and not has_gate
-    return LaunchConfig(block_t, chunk, num_warps, preload, warm_tables_first=warm_first)
+    warm_first = tables and not has_gate and gathered
+    return LaunchConfig(block_t, chunk, num_warps, preload, warm_rows_ahead=WARM_ROWS_AHEAD if gathered else 0,
+                        warm_tables_first=warm_first)
 
 
 def warming_program_count(a: ModulationArgs, lanes: int) -> int:
@@ -146,8 +150,8 @@ def warming_program_count(a: ModulationArgs, lanes: int) -> int:
 class ForwardSpecialisation:
     """The forward kernel's constexprs (``forward_kernel``'s module docstring gives their meaning), in its order.
 
-    The site: ``HIDDEN`` columns, a gate (sites B, C), a norm (A, B, a plain RMSNorm), its weight, an affine
-    (A, B; a plain RMSNorm has none). The rounding contract (``contract.Rounding``): ``ROUND_*``,
+    The site: ``HIDDEN`` columns, a gate (sites B, C), a norm (A, B, a plain norm), its weight, an affine
+    (A, B; a plain norm has none), its rows gathered by the index or given, a LayerNorm or an RMSNorm. The rounding contract (``contract.Rounding``): ``ROUND_*``,
     ``FUSE_MULTIPLY_ADD``, and ``NORM_SUM_ORDER`` (a ``contract.SumOrder``'s value, as ``norm_sum_order``
     resolves it). ``INTERPRETED``: under Triton's interpreter. The ``LaunchConfig``: the rest."""
 
@@ -156,6 +160,8 @@ class ForwardSpecialisation:
     HAS_NORM: bool
     HAS_WEIGHT: bool
     HAS_AFFINE: bool
+    GATHERED: bool
+    LAYER_NORM: bool
     ROUND_GATE: bool
     ROUND_NORM: bool
     ROUND_NORM_BEFORE_WEIGHT: bool
@@ -176,7 +182,7 @@ class ForwardSpecialisation:
         r = a.rounding
         return cls(
             HIDDEN=a.hidden, HAS_GATE=a.gate is not None, HAS_NORM=a.has_norm, HAS_WEIGHT=a.weight is not None,
-            HAS_AFFINE=a.has_affine,
+            HAS_AFFINE=a.has_affine, GATHERED=a.gathered, LAYER_NORM=a.norm == "layer",
             ROUND_GATE=r.gate_product, ROUND_NORM=r.norm_output, ROUND_NORM_BEFORE_WEIGHT=r.norm_before_weight,
             ROUND_AFFINE=r.affine, FUSE_MULTIPLY_ADD=r.fused_multiply_add, NORM_SUM_ORDER=int(sum_order),
             INTERPRETED=interpreting(),
@@ -218,7 +224,7 @@ def plan_launch(a: ModulationArgs, config: LaunchConfig | None = None) -> Forwar
     rows = a.static_rows
     sum_order = norm_sum_order(a.rounding, a.hidden, a.has_norm, rows)
     if config is None:
-        config = launch_config(a.hidden, a.gate is not None, a.has_norm, rows, sum_order, a.has_affine)
+        config = launch_config(a.hidden, a.gate is not None, a.has_norm, rows, sum_order, a.has_affine, a.gathered)
     elif sum_order is not SumOrder.OWN and config.chunk != sum_order_chunk(a.hidden, sum_order):
         raise ValueError(f"config.chunk={config.chunk}: where the norm's squares add in an eager kernel's order a "
                          f"chunk holds {sum_order_chunk(a.hidden, sum_order)} columns at H={a.hidden}")
@@ -228,11 +234,19 @@ def plan_launch(a: ModulationArgs, config: LaunchConfig | None = None) -> Forwar
                    shift=table_alias, scale=table_alias, index=rows_alias)
     slots = tuple(name if getattr(a, name) is not None else aliases[name] for name in FORWARD_INPUTS)
     x, res, branch, gate, _, shift, scale, _ = (getattr(a, name) for name in slots)
+    if not a.gathered and (config.warm_rows_ahead or config.warm_tables_first):
+        raise ValueError(f"config={config}: rows given without an index are not warmed (warm_rows_ahead=0, "
+                         "warm_tables_first=False)")
     warming = warming_program_count(a, config.warming_lanes) if config.warm_tables_first else 0
+
+    def token_stride(t):  # a given [B, T, H] row's token stride (0 where broadcast); a gathered table has none
+        return t.stride(1) if t.dim() == 3 else 0
+
     return ForwardLaunch(slots, KernelLaunch(
         modulation_kernel, grid=(ceil_div(a.rows, config.block_t) + warming,), num_warps=config.num_warps,
-        scalars=(a.rows, a.num_table_rows, a.eps, x.stride(0), res.stride(0), branch.stride(0), gate.stride(0),
-                 shift.stride(0), scale.stride(0)),
+        scalars=(a.rows, a.num_table_rows, a.tokens, a.eps, x.stride(0), res.stride(0), branch.stride(0),
+                 gate.stride(0), shift.stride(0), scale.stride(0), token_stride(gate), token_stride(shift),
+                 token_stride(scale)),
         spec=ForwardSpecialisation.of(a, config, sum_order)))
 
 

@@ -45,11 +45,11 @@ def _run(a: ModulationArgs, raw: dict, want_u: bool, want_y: bool):
     if a.rows == 0 or a.hidden == 0:
         return _empty_outputs(a, want_u, want_y)
     if not triton_allowed(a.device, a.dtype):  # traced, the reference's ops are the graph's: Inductor compiles them
-        if untraced(raw.values()):
+        if a.gathered and untraced(raw.values()):
             check_index_on_host(a.index, a.num_table_rows)
         u, y = reference_modulation(a)
         return (u if want_u else None), (y if want_y else None)
-    if a.device.type == "cpu":  # the Triton interpreter: validate indices on the host
+    if a.gathered and a.device.type == "cpu":  # the Triton interpreter: validate indices on the host
         check_index_on_host(a.index, a.num_table_rows)
     u, y = _empty_outputs(a, want_u, want_y)
     with launch_context(a.device, raw.values()) as wrap:
@@ -100,14 +100,17 @@ def _public_op(name: str):
 
 @_public_op("norm_modulate")
 def norm_modulate(
-    x: Tensor, weight: Tensor | None, shift: Tensor, scale: Tensor, index: Tensor, *,
+    x: Tensor, weight: Tensor | None, shift: Tensor, scale: Tensor, index: Tensor | None, *,
     eps: float = 1e-6, policy: str = "auto", norm_rounds_before_weight: bool = False,
-    upcast_tables: bool = False,
+    upcast_tables: bool = False, norm: str = "rms", norm_in_fp32: bool = False,
 ) -> Tensor:
-    """Site A: ``y = R(R(rms_norm(x) * R(1 + scale[index])) + shift[index])`` (roundings per policy)."""
+    """Site A: ``y = R(R(norm(x) * R(1 + scale[index])) + shift[index])`` (roundings per policy); without an
+    ``index``, ``shift`` and ``scale`` are rows that broadcast to ``x`` (per sample or per token). ``norm``:
+    ``"rms"`` or ``"layer"`` (``weight`` its elementwise scale, or None); ``norm_in_fp32``: the norm of ``x``
+    upcast to fp32, its output and the affine fp32, rounded once at ``y``."""
     raw = dict(x=x, residual=None, branch=None, gate=None, weight=weight, shift=shift, scale=scale, index=index,
                eps=eps, policy=policy, norm_rounds_before_weight=norm_rounds_before_weight,
-               upcast_tables=upcast_tables)
+               upcast_tables=upcast_tables, norm=norm, norm_in_fp32=norm_in_fp32)
     a = check_args(**raw, has_norm=True)
     return _run(a, raw, want_u=False, want_y=True)[1]
 
@@ -115,13 +118,13 @@ def norm_modulate(
 @_public_op("gate_norm_modulate")
 def gate_norm_modulate(
     residual: Tensor, gate: Tensor, branch: Tensor, weight: Tensor | None, shift: Tensor, scale: Tensor,
-    index: Tensor, *, eps: float = 1e-6, policy: str = "auto", norm_rounds_before_weight: bool = False,
-    upcast_tables: bool = False,
+    index: Tensor | None, *, eps: float = 1e-6, policy: str = "auto", norm_rounds_before_weight: bool = False,
+    upcast_tables: bool = False, norm: str = "rms", norm_in_fp32: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """Site B: ``u = R(residual + gate[index] * branch)``, ``y = norm_modulate(u, ...)``; returns ``(u, y)``."""
     raw = dict(x=None, residual=residual, branch=branch, gate=gate, weight=weight, shift=shift, scale=scale,
                index=index, eps=eps, policy=policy, norm_rounds_before_weight=norm_rounds_before_weight,
-               upcast_tables=upcast_tables)
+               upcast_tables=upcast_tables, norm=norm, norm_in_fp32=norm_in_fp32)
     a = check_args(**raw, has_norm=True)
     u, y = _run(a, raw, want_u=True, want_y=True)
     return u, y
@@ -129,10 +132,11 @@ def gate_norm_modulate(
 
 @_public_op("gate_residual")
 def gate_residual(
-    residual: Tensor, gate: Tensor, branch: Tensor, index: Tensor, *, policy: str = "auto",
+    residual: Tensor, gate: Tensor, branch: Tensor, index: Tensor | None, *, policy: str = "auto",
     upcast_tables: bool = False,
 ) -> Tensor:
-    """Site C: ``u = R(residual + [R](gate[index] * branch))``."""
+    """Site C: ``u = R(residual + [R](gate[index] * branch))``; without an ``index``, ``gate`` is rows that
+    broadcast to the residual."""
     raw = dict(x=None, residual=residual, branch=branch, gate=gate, weight=None, shift=None, scale=None,
                index=index, eps=0.0, policy=policy, norm_rounds_before_weight=False, upcast_tables=upcast_tables)
     a = check_args(**raw, has_norm=False)

@@ -47,6 +47,14 @@ def sum_rounded_once(residual: torch.Tensor, gate_rows: torch.Tensor, branch: to
     return torch.where(torch.isfinite(s), odd, s.float()).to(dtype).to(f32)
 
 
+def rows_of(table: torch.Tensor, a: ModulationArgs) -> torch.Tensor:
+    """The ``[R, H]`` modulation rows of ``table`` for ``a``'s rows: gathered by the index, or the given rows
+    (``[B, T, H]``, broadcast) flattened."""
+    if a.gathered:
+        return table.index_select(0, a.index.long())
+    return table.reshape(-1, a.hidden)
+
+
 def gated_residual(a: ModulationArgs) -> torch.Tensor:
     """``u = R_A(res + [R_A](gate[idx] * branch))``, in the activation dtype.
 
@@ -55,7 +63,7 @@ def gated_residual(a: ModulationArgs) -> torch.Tensor:
     dtype does; otherwise the fp32 product is added in fp32 and rounded, as eager does (for an fp32 gate
     table under ``fp32`` the kernel's fp32 FMA skips the rounding of the product: the sums can differ in
     fp32's last place, and so, rarely, the stored residuals)."""
-    gate_rows = a.gate.index_select(0, a.index.long())
+    gate_rows = rows_of(a.gate, a)
     if a.rounding.fused_multiply_add and gate_rows.dtype == a.dtype and a.dtype in (torch.bfloat16, torch.float16):
         return sum_rounded_once(a.residual, gate_rows, a.branch, a.dtype).to(a.dtype)
     c = a.compute_dtype
@@ -77,16 +85,28 @@ def rms_norm(u: torch.Tensor, a: ModulationArgs) -> torch.Tensor:
     return _round(normed * a.weight.to(normed.dtype), a.dtype, r.norm_output)
 
 
+def layer_norm(u: torch.Tensor, a: ModulationArgs) -> torch.Tensor:
+    """``n`` of ``u`` (activation dtype), as values of ``a.compute_dtype``: ``R_A((u - mean) * r * w)`` or
+    unrounded, ``r = rsqrt(var + eps)`` (the biased variance), as ``F.layer_norm`` computes it."""
+    if a.rounding.norm_output:
+        return F.layer_norm(u, (a.hidden,), a.weight, None, a.eps).to(a.compute_dtype)
+    weight = a.weight.to(a.compute_dtype) if a.weight is not None else None
+    return F.layer_norm(u.to(a.compute_dtype), (a.hidden,), weight, None, a.eps)
+
+
+def norm(u: torch.Tensor, a: ModulationArgs) -> torch.Tensor:
+    return layer_norm(u, a) if a.norm == "layer" else rms_norm(u, a)
+
+
 def modulate(n: torch.Tensor, a: ModulationArgs) -> torch.Tensor:
     """``y = R_A([R_A](n * [R_A](1 + scale[idx])) + shift[idx])`` in the activation dtype.
 
     Under ``fp32`` (``Rounding.fused_multiply_add``) the CUDA kernel computes ``n * p + shift`` as one
     FMA; this reference rounds the product to fp32 first, so the two can differ by a last-bit flip of the
     output, each within the policy."""
-    idx = a.index.long()
-    one_plus = _round(1.0 + a.scale.index_select(0, idx).to(n.dtype), a.dtype, a.rounding.affine)
+    one_plus = _round(1.0 + rows_of(a.scale, a).to(n.dtype), a.dtype, a.rounding.affine)
     product = _round(n * one_plus, a.dtype, a.rounding.affine)
-    return (product + a.shift.index_select(0, idx).to(n.dtype)).to(a.dtype)
+    return (product + rows_of(a.shift, a).to(n.dtype)).to(a.dtype)
 
 
 def reference_modulation(a: ModulationArgs) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -94,7 +114,7 @@ def reference_modulation(a: ModulationArgs) -> tuple[torch.Tensor | None, torch.
     u = gated_residual(a).view(a.out_shape) if a.gate is not None else None
     if a.scale is None:
         return u, None
-    n = rms_norm((u if u is not None else a.x).reshape(-1, a.hidden), a)
+    n = norm((u if u is not None else a.x).reshape(-1, a.hidden), a)
     return u, modulate(n, a).view(a.out_shape)
 
 

@@ -26,8 +26,9 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 POINTERS = ("x_ptr", "res_ptr", "branch_ptr", "gate_ptr", "w_ptr", "shift_ptr", "scale_ptr", "u_ptr", "y_ptr")
-SCALARS = dict(n_rows="i32", num_table_rows="i32", eps="fp32", stride_x="i32", stride_res="i32",
-               stride_branch="i32", stride_gate="i32", stride_shift="i32", stride_scale="i32")
+SCALARS = dict(n_rows="i32", num_table_rows="i32", tokens="i32", eps="fp32", stride_x="i32", stride_res="i32",
+               stride_branch="i32", stride_gate="i32", stride_shift="i32", stride_scale="i32",
+               stride_gate_token="i32", stride_shift_token="i32", stride_scale_token="i32")
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 
 
@@ -41,7 +42,8 @@ def compile_site(site: str, policy: str, hidden: int, config=None, index: str = 
     flags = dict(norm_rounds_before_weight=native) if site != "C" else {}
     a = check_args(**make_inputs(site, 1, hidden, device="cpu"), **flags, policy=policy, has_norm=site != "C")
     spec = ForwardSpecialisation.of(a, config, shipped_sum_order(site, hidden, None, policy, native))
-    constants = constexprs(spec) | dict(INTERPRETED=False) | (constants or {})
+    # tokens is 1 where the rows are gathered, which Triton (and Inductor) make a constant
+    constants = constexprs(spec) | dict(INTERPRETED=False, tokens=1) | (constants or {})
     signature = {name: "*bf16" for name in POINTERS} | {"idx_ptr": f"*{index}"} | SCALARS
     signature |= {name: "constexpr" for name in constants}
     names = modulation_kernel.arg_names

@@ -93,6 +93,44 @@ def test_every_site_policy_and_norm_spelling_matches_the_reference(hidden, token
                        reference(residual=x, branch=br, gate=t[2], index=idx, policy=policy)[0])
 
 
+def given_rows(source: str, batch: int, tokens: int, hidden: int, dtype=bf16, seed=0):
+    """``(shift, scale, gate)`` rows given without an index for activations ``[batch, tokens, H]``: one per
+    sample as ``[B, 1, H]`` chunks of one projection, as ``[B, H]`` chunks viewed ``[:, None]``, one per token as
+    ``[B, T, H]`` chunks, or one for all as ``[H]``."""
+    g = torch.Generator().manual_seed(seed)
+    if source == "per_token":
+        return (0.3 * torch.randn(batch, tokens, 6 * hidden, generator=g)).to(dtype).chunk(6, -1)[:3]
+    if source == "one_for_all":
+        return (0.3 * torch.randn(6 * hidden, generator=g)).to(dtype).chunk(6, -1)[:3]
+    rows = (0.3 * torch.randn(batch, 6 * hidden, generator=g)).to(dtype).chunk(6, -1)[:3]
+    return tuple(r[:, None] for r in rows) if source == "per_sample_view" else tuple(r.unsqueeze(1).contiguous()
+                                                                                      for r in rows)
+
+
+@pytest.mark.parametrize("source", ["per_sample", "per_sample_view", "per_token", "one_for_all"])
+@pytest.mark.parametrize("norm", ["rms", "layer"])
+@pytest.mark.parametrize("policy", ["bf16", "fp32"])
+@pytest.mark.parametrize("in_fp32", [False, True], ids=["norm_in_act", "norm_in_fp32"])
+def test_rows_given_without_an_index_match_the_reference(source, norm, policy, in_fp32):
+    """The DiT family's forms: modulation rows per sample, per token or one for all instead of a gathered table,
+    a LayerNorm or an RMSNorm, and (with fp32 rows) the norm and affine in fp32 rounded once: every site's
+    kernel against the pure-torch reference, the residual exactly, ``y`` but for the norm's sum order."""
+    batch, tokens, hidden = 2, 9, 96
+    g = torch.Generator().manual_seed(1)
+    x, br = (torch.randn(batch, tokens, hidden, generator=g).to(bf16) for _ in range(2))
+    w = (1 + 0.1 * torch.randn(hidden, generator=g)).to(bf16)
+    shift, scale, gate = given_rows(source, batch, tokens, hidden, torch.float32 if in_fp32 else bf16)
+    kw = dict(eps=1e-6, policy=policy, norm=norm, norm_in_fp32=in_fp32)
+    u, y = gate_norm_modulate(x, gate, br, w, shift, scale, None, **kw)
+    ur, yr = reference(residual=x, branch=br, gate=gate, weight=w, shift=shift, scale=scale, **kw)
+    assert torch.equal(u, ur)
+    same_but_for_sum_order(y, yr)
+    same_but_for_sum_order(norm_modulate(x, None, shift, scale, None, **kw),
+                           reference(x=x, shift=shift, scale=scale, **kw)[1])
+    assert torch.equal(gate_residual(x, gate, br, None, policy=policy),
+                       reference(residual=x, branch=br, gate=gate, policy=policy)[0])
+
+
 def test_an_out_of_range_index_raises_naming_the_row():
     x, _, _, t, idx = site_inputs(5, 64)
     with pytest.raises(IndexError, match=r"index\[0\] = 3 is not in \[0, 3\)"):
