@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 import torch.fx.traceback as fx_traceback
-from h3_fused.patterns import find_sites
+from h3_fused.patterns import NoMatch, find_sites
 from torch._guards import detect_fake_mode
 from torch._subclasses.functional_tensor import dispatch_functionalize
 from torch.fx import GraphModule, Interpreter
@@ -68,7 +68,14 @@ def fuse_before_autograd(gm: GraphModule, example_inputs, options: FusionOptions
     with fake_mode, fx_traceback.preserve_node_meta():
         traced = make_fx(dispatch_functionalize(_Retracer(gm).run), tracing_mode="real")(*fakes)
     traced.graph.eliminate_dead_code()
-    sites = find_sites(traced.graph, refuse, note=log.debug)
+    sites = []
+    for site in find_sites(traced.graph, refuse, note=log.debug):
+        missing = site.without_fused_backward()
+        if missing is None:
+            sites.append(site)
+        else:
+            refuse(site.outputs[-1], NoMatch(f"no fused backward yet for {missing}, and this graph computes gradients"),
+                   f"site {site.kind.letter}")
     if not sites:
         return None
     fused = replace_sites(traced.graph, sites, options, decomposed=False)

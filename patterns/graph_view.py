@@ -20,7 +20,8 @@ aten, prims = torch.ops.aten, torch.ops.prims
 ADD = (aten.add.Tensor, aten.add.Scalar)
 MUL = (aten.mul.Tensor, aten.mul.Scalar)
 CONVERT = (prims.convert_element_type.default, aten._to_copy.default)
-VIEW = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+VIEW = (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.unsqueeze.default,
+        aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.expand.default)
 GATHER = (aten.index.Tensor, aten.index_select.default)
 
 

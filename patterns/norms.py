@@ -46,6 +46,8 @@ def find_norms(graph: Graph, refuse=lambda node, why: None, wanted=lambda node: 
             norm = match_norm(node, dtype_of(node), shape_of(node)[-1])
         except NoMatch:
             continue  # not a norm
+        if norm.kind != "rms" or norm.in_fp32:
+            continue  # eager_rms_norm computes RMSNorms of the activations only
         inside = set(norm.nodes)
         if any(SITE_META in n.meta for n in inside):
             continue  # part of a fused site's replacement

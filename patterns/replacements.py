@@ -30,12 +30,17 @@ def replacement_fn(site: Site, policy: str):
     ops = torch.ops.h3_fused
     flags = dict(policy=policy, upcast_tables=site.upcast_tables)
     norm_flags = dict(flags, eps=site.eps, norm_rounds_before_weight=site.norm_rounds_before_weight)
+    if site.norm != "rms" or site.norm_in_fp32:  # the defaults stay out of the graph
+        norm_flags.update(norm=site.norm, norm_in_fp32=site.norm_in_fp32)
 
     def fn(*tensors):
         t = dict(zip(names, tensors))
+        t.update({name: t[name].reshape(shape) for name, shape in site.row_shapes.items()})
         lead = t[site.kind.lead]
         rows = lead.shape[:-1]  # one index per row: expanded over a batch the gathers broadcast over
-        index = t["index"].expand(rows) if site.index_broadcast else t["index"].reshape(rows)
+        index = None
+        if site.gathered:
+            index = t["index"].expand(rows) if site.index_broadcast else t["index"].reshape(rows)
         weight = t.get("weight")
         if site.kind is SiteKind.NORM_MODULATE:
             return (ops.norm_modulate(lead, weight, t["shift"], t["scale"], index, **norm_flags),)

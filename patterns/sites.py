@@ -1,4 +1,4 @@
-"""Search side of the three modulation sites: structural matchers over aten FX graphs.
+"""Search side of the three modulation sites: one parameterised structural matcher over aten FX graphs.
 
 Each ``*_site`` function takes a candidate output node and returns a ``Site`` (its kind, its input nodes,
 the rounding points the graph performs, and the interior nodes a replacement removes) or raises
@@ -7,9 +7,21 @@ before or after the gather), ``.to(long)`` on the index and index views are look
 the fused op's contract needs is made here, so that a match is always safe. ``[R]`` marks a rounding the
 graph may or may not perform (the ``Site`` records which):
 
-    SiteKind.NORM_MODULATE       (site A)  y = [R](n * [R](1 + scale[idx]) + shift[idx]),  n = RMSNorm(x)
-    SiteKind.GATE_RESIDUAL       (site C)  u = [R](res + [R](gate[idx] * branch))
+    SiteKind.NORM_MODULATE       (site A)  y = [R](n * [R](1 + scale[t]) + shift[t]),  n = norm(x)
+    SiteKind.GATE_RESIDUAL       (site C)  u = [R](res + [R](gate[t] * branch))
     SiteKind.GATE_NORM_MODULATE  (site B)  C followed by A on the stored residual u
+
+What varies, each a parameter of the match, not a pattern of its own:
+
+- the norm (``Norm``): an RMSNorm (``nn.RMSNorm``, ``F.rms_norm``, the native two-rounding spelling, diffusers'
+  ``RMSNorm``) or a LayerNorm (``nn.LayerNorm``, ``F.layer_norm``), with or without weight, of the activations
+  or of the activations upcast to fp32 (then its output and the affine stay fp32, one rounding at ``y``);
+- the rows ``scale[t]``, ``shift[t]``, ``gate[t]`` (``Rows``): gathered from ``[K, H]`` tables by a per-token
+  index (MiniMax-H3), or given: one per sample broadcast over its tokens (``[B, 1, H]``, ``[B, H][:, None]``:
+  Flux, Wan, SD3, ...), one per token (``[B, T, H]`` from a split, chunk or unbind of a group of modulation
+  rows: Wan 2.2 TI2V, LTX-Video), one for all; ``1 +`` before or after the view;
+- where the affine and the residual compute: in the activation dtype, or in fp32 with one cast after
+  (``(x.float() + branch * gate).type_as(x)``).
 
 The graphs are Inductor's post-grad graphs (inference) or the aten graph the backend traces before
 autograd (training, ``h3_fused.training``); both spell the math with the ops ``graph_view`` names.
@@ -54,32 +66,70 @@ DEVICES = ("cuda", "cpu")
 f32 = torch.float32
 
 
+SPLITS = (aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int)
+
+
 @dataclass
-class Gather:
-    """``table[index]`` per token; ``upcast`` when the table is converted to fp32 around the gather."""
+class Rows:
+    """The modulation rows a site reads, one per token: gathered, ``table[index]`` (``index`` set, ``source`` the
+    ``[K, H]`` table), or given (``index`` None, ``source`` the rows before views and casts, which the op takes
+    reshaped to ``shape``: ``[.., 1 or T, H]``, broadcasting to the activations). ``upcast``: converted to fp32
+    where the site uses them."""
 
     output: Node
-    table: Node
-    index: Node
+    source: Node
+    index: Node | None
+    shape: tuple | None
     upcast: bool
     nodes: list[Node]
 
+    @property
+    def gathered(self) -> bool:
+        return self.index is not None
 
-def match_gather(node: object) -> Gather:
+
+def _is_split_member(node: object) -> bool:
+    """One of a group of rows (a split, chunk or unbind of one tensor): how a model hands out its modulation."""
+    return is_op(node, (operator.getitem,)) and is_op(node.args[0], SPLITS)
+
+
+def match_rows(node: object, act_shape: tuple, shape: tuple | None = None) -> Rows:
+    """The rows ``node`` reads for activations of ``act_shape``: a gather of table rows, or given rows that
+    broadcast to them, one per sample, one per token (one of a group of modulation rows) or one for all.
+    ``shape``: the rows' shape where the site broadcasts them, if a view after ``node`` gives it (``(1 +
+    scale)[:, None]``)."""
     nodes = []
     top = node
     while is_op(top, CONVERT) or is_op(top, VIEW):
         nodes.append(top)
         top = top.args[0]
-    expect(is_op(top, GATHER), f"{describe(top)} is not a per-token gather of table rows (`table[index]`)",
-           hint=_row_source_hint(node, top))
-    nodes.append(top)
-    if top.target == aten.index.Tensor:
-        table, indices = top.args
+    expect(isinstance(top, Node) and shape_of(top) is not None, f"the modulation rows are {describe(top)}")
+    if is_op(top, GATHER):
+        return _gathered(node, top, nodes + [top])
+    shape = shape or shape_of(node)
+    hidden = act_shape[-1]
+    expect(len(act_shape) <= 3, f"the activations are {len(act_shape)}-dimensional {act_shape}: rows per sample and "
+                                "token of [B, T, H] activations only (not per head)")
+    expect(len(shape) <= len(act_shape) and same_size(shape[-1], hidden) and all(
+        same_size(n, 1) or same_size(n, a) for n, a in zip(reversed(shape), reversed(act_shape))),
+        f"the rows {shape} do not broadcast to the activations {act_shape} with a full row of H={hidden}")
+    per_token = len(shape) >= 2 and not same_size(shape[-2], 1)
+    expect(not per_token or _is_split_member(top),
+           f"{describe(top)} gives a row per token that is not one of a group of modulation rows (a split, chunk or "
+           "unbind)", hint=_row_source_hint(node, top))
+    dtype = dtype_of(top)
+    expect(dtype in ACTIVATION_DTYPES, f"the rows are {dtype}")
+    expect(dtype_of(node) in (dtype, f32), f"the rows are converted to {dtype_of(node)}")
+    return Rows(node, top, None, shape, dtype in LOW_PRECISION and dtype_of(node) == f32, nodes)
+
+
+def _gathered(node: Node, gather: Node, nodes: list[Node]) -> Rows:
+    if gather.target == aten.index.Tensor:
+        table, indices = gather.args
         expect(len(indices) == 1 and indices[0] is not None, "the table is indexed along another dim than its rows")
         index = indices[0]
     else:
-        table, dim, index = top.args
+        table, dim, index = gather.args
         expect(dim == 0, f"the table is gathered along dim {dim}, not its rows")
     table_src = strip_converts(table)
     index_src = strip_views(strip_converts(strip_views(index)))
@@ -90,25 +140,20 @@ def match_gather(node: object) -> Gather:
     expect(table_dtype in ACTIVATION_DTYPES, f"the table is {table_dtype}")
     upcast = table_dtype in LOW_PRECISION and dtype_of(node) == f32
     expect(dtype_of(node) in (table_dtype, f32), f"the gathered rows are converted to {dtype_of(node)}")
-    return Gather(node, table_src, index_src, upcast, nodes)
+    return Rows(node, table_src, index_src, None, upcast, nodes)
 
 
 def _row_source_hint(rows: object, source: object) -> str | None:
-    """What the rows ``rows`` (which come from ``source``, not a gather) are, where that helps: modulation
-    broadcast per sample (one row per sample, or one for all), or rows split after their gather."""
-    shape = shape_of(rows)
-    if shape is not None and (len(shape) < 2 or same_size(shape[-2], 1)):
-        return "modulation broadcast per sample (`scale[:, None]`, as in Flux or Wan) is not fused"
-    if is_op(source, (operator.getitem,)) and is_op(source.args[0], (aten.split.Tensor, aten.split_with_sizes.default)):
-        if is_op(strip_views(strip_converts(source.args[0].args[0])), GATHER):
-            return ("the rows are gathered and then split (`table[index].chunk(n)`); each table gathered on its own "
-                    "(`table.chunk(n)[k][index]`) fuses")
+    """What the rows ``rows`` (which come from ``source``) are, where that helps: rows split after their gather."""
+    if _is_split_member(source) and is_op(strip_views(strip_converts(source.args[0].args[0])), GATHER):
+        return ("the rows are gathered and then split (`table[index].chunk(n)`); each table gathered on its own "
+                "(`table.chunk(n)[k][index]`) fuses")
     return None
 
 
-def _is_gather(node: object) -> bool:
+def _is_rows(node: object, act_shape: tuple) -> bool:
     try:
-        match_gather(node)
+        match_rows(node, act_shape)
         return True
     except NoMatch:
         return False
@@ -116,43 +161,81 @@ def _is_gather(node: object) -> bool:
 
 @dataclass
 class Norm:
-    """``RMSNorm(x)`` over the last dim, spelled ``nn.RMSNorm`` (one rounding) or natively (two)."""
+    """A norm over the last dim of ``x``: ``kind`` ``"rms"`` (``nn.RMSNorm`` / ``F.rms_norm`` and diffusers'
+    ``RMSNorm``, one rounding; the native spelling, two: ``rounds_before_weight``) or ``"layer"``
+    (``nn.LayerNorm`` / ``F.layer_norm``, one rounding), with or without weight; ``in_fp32``: computed on ``x``
+    upcast to fp32 and its output left in fp32 (no rounding)."""
 
     x: Node
     weight: Node | None
     eps: float
     rounds_before_weight: bool
     nodes: list[Node]
+    kind: str = "rms"
+    in_fp32: bool = False
 
 
-def _match_norm_core(node: object, act: torch.dtype):
-    """``x32 * rsqrt(mean(x32^2, -1, keepdim) + eps)`` -> (x, eps, nodes)."""
-    x32, r = either_order(operands(node, MUL, "x * rsqrt(mean(x^2) + eps)"),
-                          lambda v: not is_op(v, (aten.rsqrt.default,)), "the input of the norm")
-    expect(is_op(r, (aten.rsqrt.default,)), "the normalized value has no `rsqrt(mean(x^2) + eps)` factor: not an RMSNorm")
-    expect(not is_op(x32, (aten.sub.Tensor,)), "the norm subtracts the mean: a LayerNorm",
-           hint="LayerNorm is not fused, only RMSNorm")
-    shifted = r.args[0]
-    mean, eps = either_order(operands(shifted, ADD, "mean(x^2) + eps"), lambda v: is_op(v, (aten.mean.dim,)),
-                             "the mean of the squares")
+RSQRT = (aten.rsqrt.default,)
+
+
+def _constant_eps(eps: object) -> float:
     expect(isinstance(eps, (int, float)) and not isinstance(eps, bool), "the norm's eps is not a constant",
            hint="a float attribute becomes a graph input under dynamic=True: pass eps as nn.RMSNorm does, "
                 "or compile with dynamic_token_dim instead")
-    sq_in, dims = mean.args[0], mean.args[1]
-    keepdim = mean.args[2] if len(mean.args) > 2 else mean.kwargs.get("keepdim", False)
-    rank = len(shape_of(x32) or ())
+    return float(eps)
+
+
+def _last_dim(dims, keepdim, rank: int) -> None:
     expect(keepdim and len(dims) == 1 and dims[0] in (-1, rank - 1), f"the norm reduces dims {dims}, not the last")
+
+
+def _norm_input(x32: object, act: torch.dtype, in_fp32: bool) -> Node:
+    """The activations a norm normalizes: ``x32`` is them in fp32 (or the activations themselves, where a mixed
+    product promotes them: diffusers' ``RMSNorm``)."""
+    x = x32.args[0] if is_op(x32, CONVERT) else x32
+    expect(isinstance(x, Node) and dtype_of(x) == act,
+           f"the norm's input is {dtype_of(x)}, the activations {act}" + (" (upcast to fp32)" if in_fp32 else ""))
+    return x
+
+
+def _match_norm_core(node: object, act: torch.dtype, in_fp32: bool):
+    """``x * rsqrt(mean(x32^2, -1, keepdim) + eps)`` (``x`` in fp32, or bf16 beside an fp32 ``rsqrt``: diffusers'
+    ``RMSNorm``), or ``(x32 - mean) * rsqrt(var + eps)`` of ``var_mean(x32)`` (a LayerNorm) -> (x, eps, kind,
+    nodes)."""
+    xn, r = either_order(operands(node, MUL, "x * rsqrt(mean(x^2) + eps)"), lambda v: not is_op(v, RSQRT),
+                         "the input of the norm")
+    expect(is_op(r, RSQRT), "the normalized value has no `rsqrt(...)` factor: not a norm")
+    expect(dtype_of(node) == f32, f"the norm computes in {dtype_of(node)}, not fp32")
+    shifted = r.args[0]
+    if is_op(xn, (aten.sub.Tensor,)):  # a LayerNorm
+        x32, mean = operands(xn, (aten.sub.Tensor,), "x - mean")
+        var, eps = either_order(operands(shifted, ADD, "var + eps"), lambda v: isinstance(v, Node), "the variance")
+        expect(is_op(var, (operator.getitem,)) and is_op(mean, (operator.getitem,)) and var.args[0] is mean.args[0]
+               and (var.args[1], mean.args[1]) == (0, 1) and is_op(var.args[0], (aten.var_mean.correction,)),
+               "the norm subtracts something other than the mean its variance is about: not a LayerNorm")
+        stats = var.args[0]
+        expect(stats.args[0] is x32 and stats.kwargs.get("correction", 1) == 0,
+               "the variance is not the biased variance of the normalized value")
+        _last_dim(stats.args[1], stats.kwargs.get("keepdim", False), len(shape_of(x32) or ()))
+        expect(dtype_of(x32) == f32, f"the LayerNorm computes in {dtype_of(x32)}, not fp32")
+        return _norm_input(x32, act, in_fp32), _constant_eps(eps), "layer", [node, r, shifted, xn, var, mean, stats]
+    mean, eps = either_order(operands(shifted, ADD, "mean(x^2) + eps"), lambda v: is_op(v, (aten.mean.dim,)),
+                             "the mean of the squares")
+    eps = _constant_eps(eps)
+    sq_in, dims = mean.args[0], mean.args[1]
+    _last_dim(dims, mean.args[2] if len(mean.args) > 2 else mean.kwargs.get("keepdim", False), len(shape_of(xn) or ()))
     expect(not mean.kwargs.get("dtype"), "the norm's mean converts its dtype")
     if is_op(sq_in, (aten.pow.Tensor_Scalar,)):
-        expect(sq_in.args[0] is x32 and is_scalar(sq_in.args[1], 2), "the mean is not of the squares of the normalized value")
+        expect(is_scalar(sq_in.args[1], 2), "the mean is not of the squares of the normalized value")
+        squared = sq_in.args[0]
     else:
-        a, b = operands(sq_in, MUL, "x * x")
-        expect(a is x32 and b is x32, "the mean is not of the squares of the normalized value")
-    expect(dtype_of(x32) == f32, f"the norm computes in {dtype_of(x32)}, not fp32")
-    x = x32.args[0] if is_op(x32, CONVERT) else x32
-    expect(dtype_of(x) == act, f"the norm's input is {dtype_of(x)}, its output {act}")
-    nodes = [node, r, shifted, mean, sq_in] + ([x32] if x32 is not x else [])
-    return x, float(eps), nodes
+        squared, b = operands(sq_in, MUL, "x * x")
+        expect(b is squared, "the mean is not of the squares of the normalized value")
+    expect(strip_converts(squared) is strip_converts(xn) and dtype_of(squared) == f32,
+           "the mean is not of the squares of the normalized value")
+    x = _norm_input(squared, act, in_fp32)
+    nodes = [node, r, shifted, mean, sq_in] + [v for v in {squared, xn} if v is not x]
+    return x, eps, "rms", nodes
 
 
 def _weight_source(w: object, hidden: int) -> Node:
@@ -176,41 +259,46 @@ def _match_fused_norm(n: Node, act: torch.dtype, hidden: int) -> Norm:
 
 
 def match_norm(n: object, act: torch.dtype, hidden: int) -> Norm:
-    """``n`` is the norm output in the activation dtype ``act``."""
+    """``n`` is the norm's output: in the activation dtype ``act``, or in fp32 where the norm is computed on the
+    activations upcast to fp32 (``Norm.in_fp32``)."""
     if is_op(n, (operator.getitem,)) and is_op(n.args[0], (aten._fused_rms_norm.default,)) and n.args[1] == 0:
         return _match_fused_norm(n, act, hidden)
+    in_fp32 = act != f32 and dtype_of(n) == f32
     nodes: list[Node] = []
     weight, before = None, False
     top = n
-    if act != f32 and is_op(top, MUL) and dtype_of(top) == act:  # native: R(R(x*r) * w)
+    if act != f32 and not in_fp32 and is_op(top, MUL) and dtype_of(top) == act:  # native: R(R(x*r) * w)
         cast, w = either_order(operands(top, MUL, "normed * weight"), lambda v: is_op(v, CONVERT),
                                "the normalized value cast to the activation dtype")
         weight, before = _weight_source(w, hidden), True
         nodes += [top] + ([w] if w is not weight else [])
         top = cast
-    if act != f32:
+    if act != f32 and not in_fp32:
         expect(is_op(top, CONVERT) and dtype_of(top) == act, f"the value modulated is {describe(top)}, not a norm cast to {act}")
         nodes.append(top)
         top = top.args[0]
+    expect(not (is_op(top, ADD) and len(top.args) == 2 and all(isinstance(v, Node) for v in top.args)),
+           "the norm adds a bias: not fused")
     if weight is None:
         a, b = operands(top, MUL, "normed [* weight]")
-        if not (is_op(a, (aten.rsqrt.default,)) or is_op(b, (aten.rsqrt.default,))):  # (x * r) * w
+        if not (is_op(a, RSQRT) or is_op(b, RSQRT)):  # (x * r) * w
             core, w = either_order((a, b), lambda v: is_op(v, MUL), "the normalized value")
             weight = _weight_source(w, hidden)
             nodes += [top] + ([w] if w is not weight else [])
             top = core
-    x, eps, core_nodes = _match_norm_core(top, act)
-    return Norm(x, weight, eps, before, nodes + core_nodes)
+    x, eps, kind, core_nodes = _match_norm_core(top, act, in_fp32)
+    expect(not (before and kind == "layer"), "a LayerNorm rounded before its weight is not fused")
+    return Norm(x, weight, eps, before, nodes + core_nodes, kind, in_fp32)
 
 
 @dataclass
 class Affine:
-    """``y = [R](n * [R](1 + scale[idx]) + shift[idx])`` in ``compute`` dtype, output in ``act``."""
+    """``y = [R](n * [R](1 + scale[t]) + shift[t])`` in ``compute`` dtype, output in ``act``."""
 
     y: Node
     n: Node
-    shift: Gather
-    scale: Gather
+    shift: Rows
+    scale: Rows
     compute: torch.dtype
     nodes: list[Node]
 
@@ -228,76 +316,112 @@ def _site_output(out: object) -> tuple[torch.dtype, Node, list[Node]]:
 ADDCMUL = (aten.addcmul.default,)
 
 
+def _one_plus(v: object) -> tuple[object, list[Node]] | None:
+    """``(t, nodes)`` where ``v`` is ``1 + t`` (or ``t + 1``), maybe under views (``(1 + scale)[:, None]``)."""
+    nodes = []
+    while is_op(v, VIEW):
+        nodes.append(v)
+        v = v.args[0]
+    if not (is_op(v, ADD) and len(v.args) == 2 and not v.kwargs):
+        return None
+    t, one = v.args if is_scalar(v.args[1], 1.0) else v.args[::-1]
+    return (t, nodes + [v]) if is_scalar(one, 1.0) and isinstance(t, Node) else None
+
+
 def match_affine(y: object) -> Affine:
     act, top, nodes = _site_output(y)
     expect(not is_op(top, ADDCMUL), "`torch.addcmul(shift, n, 1 + scale)` (the product not rounded before the add) "
                                     "is not fused")
     compute = dtype_of(top)
-    q, shift_rows = either_order(operands(top, ADD, "n * (1 + scale[idx]) + shift[idx]"), lambda v: is_op(v, MUL),
+    q, shift_rows = either_order(operands(top, ADD, "n * (1 + scale[t]) + shift[t]"), lambda v: is_op(v, MUL),
                                  "a product")
-    shift = match_gather(shift_rows)
-    p, n = either_order(operands(q, MUL, "n * (1 + scale[idx])"), lambda v: is_op(v, ADD) and
-                        any(is_scalar(a, 1.0) for a in v.args), "`1 + scale[idx]`")
-    scale_rows, one = either_order(operands(p, ADD, "1 + scale[idx]"), lambda v: isinstance(v, Node), "a tensor")
-    expect(is_scalar(one, 1.0), f"the scale term adds {one!r}, not 1")
-    scale = match_gather(scale_rows)
+    p, n = either_order(operands(q, MUL, "n * (1 + scale[t])"), lambda v: _one_plus(v) is not None, "`1 + scale[t]`")
+    scale_rows, p_nodes = _one_plus(p)
+    act_shape = shape_of(y)
+    shift = match_rows(shift_rows, act_shape)
+    scale = match_rows(scale_rows, act_shape, shape_of(p))  # as the product broadcasts them: `1 +` before a view
     expect({dtype_of(p), dtype_of(q), compute} == {compute}, "the modulation mixes dtypes between its steps")
     expect(compute in (act, f32), f"the modulation computes in {compute}")
-    nodes += [top, q, p]
-    return Affine(y, n, shift, scale, compute, nodes)
+    return Affine(y, n, shift, scale, compute, nodes + [top, q] + p_nodes)
 
 
 @dataclass
 class Gated:
-    """``u = [R](res + [R](gate[idx] * branch))``; ``product`` is the dtype of the product."""
+    """``u = [R](res + [R](gate[t] * branch))``; ``product`` is the dtype of the product."""
 
     u: Node
     residual: Node
     branch: Node
-    gate: Gather
+    gate: Rows
     product: torch.dtype
     nodes: list[Node]
+
+
+def _exact(v: object, act: torch.dtype) -> tuple[object, list[Node]]:
+    """``v`` before an upcast of the activations to fp32 (exact: ``x.float()``), with that cast."""
+    if is_op(v, CONVERT) and dtype_of(v) == f32 and dtype_of(v.args[0]) == act:
+        return v.args[0], [v]
+    return v, []
 
 
 def match_gated(u: object) -> Gated:
     act, top, nodes = _site_output(u)
     expect(not is_op(top, ADDCMUL), "`torch.addcmul(residual, gate, branch)` (the product not rounded before the "
                                     "add) is not fused")
+    act_shape = shape_of(u)
+
+    def gate_rank(v) -> int:
+        """How surely ``v`` is the gate's rows: 3 gathered, 2 broadcast over tokens, 1 one of a group of rows per
+        token, 0 not rows."""
+        if not (isinstance(v, Node) and _is_rows(v, act_shape)):
+            return 0
+        rows = match_rows(v, act_shape)
+        return 3 if rows.gathered else 1 if same_shape(rows.shape[-2:], act_shape[-2:]) else 2
 
     def gated_product(v):
-        return is_op(v, MUL) and len(v.args) == 2 and any(_is_gather(a) for a in v.args)
+        return is_op(v, MUL) and len(v.args) == 2 and any(gate_rank(a) for a in v.args)
 
-    res, prod = either_order(operands(top, ADD, "res + gate[idx] * branch"), lambda v: not gated_product(v),
+    res, prod = either_order(operands(top, ADD, "res + gate[t] * branch"), lambda v: not gated_product(v),
                              "the residual")
-    expect(gated_product(prod), "no `gate[idx] * branch` term")
-    gate_rows, branch = either_order(operands(prod, MUL, "gate[idx] * branch"), _is_gather, "a gather of table rows")
-    gate = match_gather(gate_rows)
-    expect(not _is_gather(res), "the residual is itself a gather of table rows, not a residual stream")
+    expect(gated_product(prod), "no `gate[t] * branch` term")
+    first, second = operands(prod, MUL, "gate[t] * branch")
+    gate_rows, branch = (first, second) if gate_rank(first) >= gate_rank(second) else (second, first)
+    gate = match_rows(gate_rows, act_shape)
+    expect(not is_op(strip_views(strip_converts(res)), GATHER),
+           "the residual is itself a gather of table rows, not a residual stream")
+    (res, res_cast), (branch, branch_cast) = _exact(res, act), _exact(branch, act)
     for name, v in (("residual", res), ("branch", branch)):
-        expect(dtype_of(v) == act and same_shape(shape_of(v), shape_of(u)),
-               f"the {name} is {dtype_of(v)} {shape_of(v)}, the output {act} {shape_of(u)}")
+        expect(dtype_of(v) == act and same_shape(shape_of(v), act_shape),
+               f"the {name} is {dtype_of(v)} {shape_of(v)}, the output {act} {act_shape}")
     expect(dtype_of(top) in (act, f32) and dtype_of(prod) == dtype_of(top), "the gated residual mixes dtypes")
-    return Gated(u, res, branch, gate, dtype_of(prod), nodes + [top, prod])
+    expect(not (res_cast or branch_cast) or dtype_of(top) == f32, "the gated residual mixes dtypes")
+    return Gated(u, res, branch, gate, dtype_of(prod), nodes + [top, prod] + res_cast + branch_cast)
 
 
-def check_site(outputs: list[Node], gathers: list[Gather], act_node: Node, interior: list[Node]) -> bool:
-    """Checks shared by every site: one index, [K, H] tables, device, interior values used only inside.
-    Returns whether the index broadcasts over leading dims of the activations (``index_broadcast``)."""
+def check_site(outputs: list[Node], tables: list[Rows], act_node: Node, interior: list[Node]) -> bool:
+    """Checks shared by every site: one row source (one index for gathered rows; given rows that broadcast to
+    the activations), [K, H] tables, device, interior values used only inside. Returns whether the index
+    broadcasts over leading dims of the activations (``index_broadcast``)."""
     hidden = shape_of(act_node)[-1]
-    index = gathers[0].index
-    for g in gathers:
-        expect(g.index is index, "its tables are gathered with different index tensors")
-        expect(same_size(shape_of(g.table)[1], hidden), f"a table is {shape_of(g.table)[1]} wide, the activations {hidden}")
-        expect(same_size(shape_of(g.table)[0], shape_of(gathers[0].table)[0]),
-               "tables of one site have different row counts")
-    lead = shape_of(act_node)[:-1]
-    broadcast = not same_size(_numel(shape_of(index)), _numel(lead))
-    expect(not broadcast or broadcasts_to(shape_of(index), lead),
-           f"the index has shape {shape_of(index)}, the activations {lead} rows")
+    expect(len({rows.gathered for rows in tables}) == 1, "some of its rows are gathered by an index and others not")
     device = device_of(act_node)
     expect(device is not None and device.type in DEVICES, f"the activations are on {device}, not CUDA or the CPU")
-    for g in gathers:
-        expect(device_of(g.table) == device and device_of(index) == device, "its tensors are on different devices")
+    broadcast = False
+    if tables[0].gathered:
+        index = tables[0].index
+        for g in tables:
+            expect(g.index is index, "its tables are gathered with different index tensors")
+            expect(same_size(shape_of(g.source)[1], hidden),
+                   f"a table is {shape_of(g.source)[1]} wide, the activations {hidden}")
+            expect(same_size(shape_of(g.source)[0], shape_of(tables[0].source)[0]),
+                   "tables of one site have different row counts")
+        lead = shape_of(act_node)[:-1]
+        broadcast = not same_size(_numel(shape_of(index)), _numel(lead))
+        expect(not broadcast or broadcasts_to(shape_of(index), lead),
+               f"the index has shape {shape_of(index)}, the activations {lead} rows")
+        expect(device_of(index) == device, "its tensors are on different devices")
+    for g in tables:
+        expect(device_of(g.source) == device, "its tensors are on different devices")
     inside = set(interior) | set(outputs)
     check_interior(interior, inside)
     return broadcast
@@ -357,7 +481,8 @@ class SiteKind(enum.Enum):
 
 @dataclass
 class Site:
-    """A matched site: what to call, with which input nodes, and which nodes it replaces."""
+    """A matched site: what to call, with which input nodes, and which nodes it replaces. Given rows (no
+    ``index`` input) are reshaped to ``row_shapes[name]`` before the call, as the graph broadcasts them."""
 
     kind: SiteKind
     outputs: list[Node]  # (y,), (u, y) or (u,)
@@ -367,24 +492,44 @@ class Site:
     upcast_tables: bool
     interior: list[Node] = field(default_factory=list)
     index_broadcast: bool = False  # the index is expanded over leading dims of the activations (a batch)
+    norm: str = "rms"
+    norm_in_fp32: bool = False
+    row_shapes: dict[str, tuple] = field(default_factory=dict)
 
     @property
     def lead(self) -> Node:
         return self.inputs[self.kind.lead]
 
+    @property
+    def gathered(self) -> bool:
+        return self.inputs.get("index") is not None
 
-def _upcast(gathers: list[Gather], compute: torch.dtype) -> bool:
-    flags = {g.upcast for g in gathers}
+    def without_fused_backward(self) -> str | None:
+        """What of this site the fused backward does not cover yet (``kernels.autograd``), or None."""
+        if not self.gathered:
+            return "modulation rows given without an index (per sample or per token)"
+        if self.norm != "rms":
+            return "a LayerNorm"
+        return "a norm computed in fp32" if self.norm_in_fp32 else None
+
+
+def _upcast(tables: list[Rows], compute: torch.dtype) -> bool:
+    flags = {g.upcast for g in tables}
     expect(len(flags) == 1, "some of its tables are upcast to fp32 and others are not")
     upcast = flags.pop()
-    expect(upcast == (compute == f32 and dtype_of(gathers[0].table) in LOW_PRECISION),
+    expect(upcast == (compute == f32 and dtype_of(tables[0].source) in LOW_PRECISION),
            "the tables' upcast and the dtype of the modulation disagree")
     return upcast
 
 
-def _gather_interior(gathers: list[Gather]) -> list[Node]:
-    """Conversions/views wrapped around a gather belong to the site; the gather itself may be shared."""
-    return [n for g in gathers for n in g.nodes[:-1]]
+def _rows_interior(tables: list[Rows]) -> list[Node]:
+    """Conversions/views wrapped around a gather or given rows belong to the site; the gather itself (and the
+    rows' source) may be shared."""
+    return [n for g in tables for n in (g.nodes[:-1] if g.gathered else g.nodes)]
+
+
+def _row_shapes(**tables: Rows) -> dict[str, tuple]:
+    return {name: rows.shape for name, rows in tables.items() if not rows.gathered}
 
 
 def norm_modulate_site(y: Node) -> Site:
@@ -392,26 +537,31 @@ def norm_modulate_site(y: Node) -> Site:
     act = dtype_of(y)
     hidden = shape_of(y)[-1]
     norm = match_norm(aff.n, act, hidden)
-    gathers = [aff.scale, aff.shift]
+    tables = [aff.scale, aff.shift]
     expect(same_shape(shape_of(norm.x), shape_of(y)), "the output's shape is not the norm input's (a broadcast)")
-    upcast = _upcast(gathers, aff.compute) if aff.compute != act else False
-    expect(aff.compute == act or upcast or dtype_of(aff.scale.table) == f32,
-           f"the modulation computes in {aff.compute} with {dtype_of(aff.scale.table)} tables")
-    interior = aff.nodes + norm.nodes + _gather_interior(gathers)
+    upcast = _upcast(tables, aff.compute) if aff.compute != act and not norm.in_fp32 else False
+    expect(aff.compute == act or upcast or dtype_of(aff.scale.source) == f32,
+           f"the modulation computes in {aff.compute} with {dtype_of(aff.scale.source)} tables")
+    expect(not norm.in_fp32 or (aff.compute == f32 and dtype_of(aff.scale.source) == f32 and not aff.scale.upcast),
+           "a norm computed in fp32 modulated by rows in the activation dtype is not fused")
+    interior = aff.nodes + norm.nodes + _rows_interior(tables)
     interior = [n for n in interior if n is not y]
-    broadcast = check_site([y], gathers, norm.x, interior)
-    return Site(SiteKind.NORM_MODULATE, [y], dict(x=norm.x, weight=norm.weight, shift=aff.shift.table, scale=aff.scale.table,
-                               index=aff.scale.index), norm.eps, norm.rounds_before_weight, upcast, interior, broadcast)
+    broadcast = check_site([y], tables, norm.x, interior)
+    return Site(SiteKind.NORM_MODULATE, [y], dict(x=norm.x, weight=norm.weight, shift=aff.shift.source,
+                                                  scale=aff.scale.source, index=aff.scale.index),
+                norm.eps, norm.rounds_before_weight, upcast, interior, broadcast, norm.kind, norm.in_fp32,
+                _row_shapes(shift=aff.shift, scale=aff.scale))
 
 
 def gate_residual_site(u: Node) -> Site:
     gated = match_gated(u)
     act = dtype_of(u)
     upcast = _upcast([gated.gate], gated.product) if gated.product != act else False
-    interior = [n for n in gated.nodes + _gather_interior([gated.gate]) if n is not u]
+    interior = [n for n in gated.nodes + _rows_interior([gated.gate]) if n is not u]
     broadcast = check_site([u], [gated.gate], u, interior)
-    return Site(SiteKind.GATE_RESIDUAL, [u], dict(residual=gated.residual, gate=gated.gate.table, branch=gated.branch,
-                               index=gated.gate.index), 0.0, False, upcast, interior, broadcast)
+    return Site(SiteKind.GATE_RESIDUAL, [u], dict(residual=gated.residual, gate=gated.gate.source,
+                                                  branch=gated.branch, index=gated.gate.index),
+                0.0, False, upcast, interior, broadcast, row_shapes=_row_shapes(gate=gated.gate))
 
 
 def merge_gate_and_norm(c: Site, a: Site) -> Site:
@@ -420,14 +570,16 @@ def merge_gate_and_norm(c: Site, a: Site) -> Site:
     expect(a.inputs["x"] is u, "the norm input is not this gated residual")
     expect(a.inputs["index"] is c.inputs["index"], "the gate and the modulation use different index tensors")
     expect(a.upcast_tables == c.upcast_tables, "the gate and the modulation tables differ in upcasting")
-    expect(same_size(shape_of(c.inputs["gate"])[0], shape_of(a.inputs["shift"])[0]), "gate and modulation tables differ in K")
+    if c.gathered:
+        expect(same_size(shape_of(c.inputs["gate"])[0], shape_of(a.inputs["shift"])[0]),
+               "gate and modulation tables differ in K")
     inputs = dict(residual=c.inputs["residual"], gate=c.inputs["gate"], branch=c.inputs["branch"],
                   weight=a.inputs["weight"], shift=a.inputs["shift"], scale=a.inputs["scale"],
                   index=c.inputs["index"])
     interior = c.interior + a.interior
     check_interior(interior, set(interior) | {u, a.outputs[0]})
-    return Site(SiteKind.GATE_NORM_MODULATE, [u, a.outputs[0]], inputs, a.eps, a.norm_rounds_before_weight, a.upcast_tables,
-                interior, c.index_broadcast)
+    return Site(SiteKind.GATE_NORM_MODULATE, [u, a.outputs[0]], inputs, a.eps, a.norm_rounds_before_weight,
+                a.upcast_tables, interior, c.index_broadcast, a.norm, a.norm_in_fp32, c.row_shapes | a.row_shapes)
 
 
 def _anchor_top(node: Node) -> object:
@@ -439,7 +591,11 @@ def _anchor_top(node: Node) -> object:
 
 def _products(top: object) -> list[tuple]:
     """The factors of each product ``top`` adds (maybe under a convert): of its ``mul`` operands where it is an
-    ``add``, of its product where it is an ``addcmul``."""
+    ``add``, of its product where it is an ``addcmul``. An fp32 ``add`` whose one user casts it down is left to
+    that cast, the site's output."""
+    if not is_op(top, CONVERT) and len(getattr(top, "users", ())) == 1 and \
+            _anchor_top(next(iter(top.users))) is top:
+        return []
     top = _anchor_top(top)
     if is_op(top, ADDCMUL):
         return [tuple(top.args[1:3])]
@@ -449,13 +605,20 @@ def _products(top: object) -> list[tuple]:
 
 
 def is_affine_candidate(node: Node) -> bool:
-    """Cheap filter: an ``add`` (maybe under a convert) of a product with a factor ``1 + t``, or an ``addcmul``
-    of such a product."""
-    return any(is_op(p, ADD) and any(is_scalar(a, 1.0) for a in p.args) for factors in _products(node)
-               for p in factors)
+    """Cheap filter: an ``add`` (maybe under a convert) of a product with a factor ``1 + t`` (maybe viewed), or an
+    ``addcmul`` of such a product."""
+    return any(_one_plus(p) is not None for factors in _products(node) for p in factors)
 
 
 def is_gated_candidate(node: Node) -> bool:
-    """Cheap filter: an ``add`` (maybe under a convert) of a product with a gathered factor, or an ``addcmul``
-    of such a product."""
-    return any(is_op(strip_views(strip_converts(a)), GATHER) for factors in _products(node) for a in factors)
+    """Cheap filter: an ``add`` (maybe under a convert) of a product with a factor that is modulation rows: a
+    gather, or rows broadcast over tokens, or one of a split of rows; or an ``addcmul`` of such a product. Not
+    a sum of two such products (a rotary embedding's ``x * cos + rotated(x) * sin``): a residual is no product."""
+    def rows_like(v):
+        core = strip_views(strip_converts(v))
+        shape = shape_of(v)
+        return is_op(core, GATHER) or _is_split_member(core) or (
+            shape is not None and len(shape) >= 2 and same_size(shape[-2], 1))
+
+    gated = [any(rows_like(a) for a in factors) for factors in _products(node)]
+    return any(gated) and not (len(gated) == 2 and all(gated))
