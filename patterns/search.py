@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 from torch.fx import Graph, Node
 
-from .graph_view import NoMatch, source_of
+from .graph_view import NoMatch, expect, source_of
 from .sites import (
     Site,
     gate_residual_site,
@@ -19,6 +19,17 @@ from .sites import (
 
 NORM_CANDIDATE = "a norm followed by `* (1 + scale[idx]) + shift[idx]` (site A)"
 GATE_CANDIDATE = "a gated residual `res + gate[idx] * branch` (site C)"
+
+
+def _ready_before_use(site: Site, position: dict[Node, int]) -> None:
+    """A merged site computes both outputs at once, so every input must come before the first use of either
+    output outside it (a model that computes the next norm's modulation rows after using the residual, as
+    Qwen-Image does, keeps its gated residual and its norm as two sites)."""
+    inside = set(site.interior) | set(site.outputs)
+    last_input = max(position[n] for n in site.inputs.values() if n is not None)
+    first_use = min((position[u] for out in site.outputs for u in out.users if u not in inside), default=None)
+    expect(first_use is None or first_use > last_input,
+           "the residual is used before the norm's modulation rows are computed")
 
 
 def find_sites(graph: Graph, refuse: Callable[[Node, NoMatch, str], None], note=lambda message: None) -> list[Site]:
@@ -42,11 +53,14 @@ def find_sites(graph: Graph, refuse: Callable[[Node, NoMatch, str], None], note=
             continue
         found[site.outputs[0]] = site
     sites, merged = [], set()
+    position = {n: i for i, n in enumerate(graph.nodes)}
     for a in a_sites.values():
         c = c_sites.get(a.inputs["x"])
         if c is not None:
             try:
-                sites.append(merge_gate_and_norm(c, a))
+                site = merge_gate_and_norm(c, a)
+                _ready_before_use(site, position)
+                sites.append(site)
                 merged.add(c.outputs[0])
                 continue
             except NoMatch as why:

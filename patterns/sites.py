@@ -114,6 +114,8 @@ def match_rows(node: object, act_shape: tuple, shape: tuple | None = None) -> Ro
         same_size(n, 1) or same_size(n, a) for n, a in zip(reversed(shape), reversed(act_shape))),
         f"the rows {shape} do not broadcast to the activations {act_shape} with a full row of H={hidden}")
     per_token = len(shape) >= 2 and not same_size(shape[-2], 1)
+    expect(not is_op(top, (aten.where.self,)), "the rows are chosen per token between two (`torch.where`, as "
+                                                "Qwen-Image's zero_cond_t does): not fused yet")
     expect(not per_token or _is_split_member(top),
            f"{describe(top)} gives a row per token that is not one of a group of modulation rows (a split, chunk or "
            "unbind)", hint=_row_source_hint(node, top))
@@ -617,7 +619,7 @@ def is_gated_candidate(node: Node) -> bool:
     def rows_like(v):
         core = strip_views(strip_converts(v))
         shape = shape_of(v)
-        return is_op(core, GATHER) or _is_split_member(core) or (
+        return is_op(core, GATHER + (aten.where.self,)) or _is_split_member(core) or (
             shape is not None and len(shape) >= 2 and same_size(shape[-2], 1))
 
     gated = [any(rows_like(a) for a in factors) for factors in _products(node)]
