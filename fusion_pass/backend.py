@@ -49,17 +49,19 @@ def eager_numerics_patches() -> dict:
 
 
 def make_config_patches(options: dict | None = None, mode: str | None = None,
-                        device: torch.device = torch.device("cpu"), fuse_post_grad: bool = True) -> dict:
+                        device: torch.device = torch.device("cpu"), fuse_post_grad: bool = True,
+                        source: str | None = None) -> dict:
     """Inductor config patches for one compile: mode options, under the ``bf16`` policy Inductor's settings for
     eager's numerics (``eager_numerics_patches``), the caller's options (which override both), and our pass
-    (``fuse_post_grad=False``: it only chains the user's passes, the sites having been fused before autograd)."""
+    (``fuse_post_grad=False``: it only chains the user's passes, the sites having been fused before autograd;
+    ``source``: the code of the Dynamo graph compiled, ``H3FusionPass.source``)."""
     fusion, inductor_options = FusionOptions.split(options)
     patches = dict(list_mode_options(mode)) if mode else {}
     if resolve_policy(fusion.dtype_policy, device) == "bf16":
         patches.update(eager_numerics_patches())
     chained = _user_post_pass_setting(inductor_options)
     patches.update(inductor_options)
-    patches["post_grad_custom_post_pass"] = H3FusionPass(fusion, chained, fuse=fuse_post_grad)
+    patches["post_grad_custom_post_pass"] = H3FusionPass(fusion, chained, fuse=fuse_post_grad, source=source)
     return patches
 
 
@@ -68,7 +70,8 @@ def h3_fused_backend(gm: torch.fx.GraphModule, example_inputs, *, options: dict 
     """Compile ``gm`` with Inductor and the h3_fused pass (the ``"h3_fused"`` backend); a graph that computes
     gradients has its sites fused before autograd instead."""
     training = computes_gradients(example_inputs)
-    patches = make_config_patches(options, mode, graph_device(example_inputs), fuse_post_grad=not training)
+    patches = make_config_patches(options, mode, graph_device(example_inputs), fuse_post_grad=not training,
+                                  source=gm.code)
     if training:
         gm = fuse_before_autograd(gm, example_inputs, FusionOptions.split(options)[0]) or gm
     key = compile_key(gm, example_inputs, patches)

@@ -48,9 +48,15 @@ class H3FusionPass(INFERENCE_AWARE or CustomGraphPass):
     """Fuse the AdaLN modulation sites of a post-grad graph; then run ``chained`` (the passes the user set),
     in order, each called as Inductor would call it (with ``is_inference`` where it is inference-aware)."""
 
-    def __init__(self, options: FusionOptions = FusionOptions(), chained=None, fuse: bool = True):
+    def __init__(self, options: FusionOptions = FusionOptions(), chained=None, fuse: bool = True,
+                 source: str | None = None):
         self.options = options
         self.fusing = fuse  # False: only the chained passes run (the sites were fused before autograd)
+        # the code of the Dynamo graph the backend compiles (None through make_config_patches): part of uuid(), so
+        # that two Dynamo graphs that lower to one Inductor graph (an FP32LayerNorm of x.float() and an
+        # nn.LayerNorm of bf16 x do) keep cache entries of their own, and each one's record of what fused
+        # (``cached.py``) stays true on a hit
+        self.source = source
         # None, one pass, or a list or tuple of them; a pass of ours stands for the passes it chains, so that
         # compiling through the backend twice chains the user's passes once, not our pass inside our pass
         self.chained = tuple(q for p in _post_grad_passes(chained)
@@ -81,5 +87,5 @@ class H3FusionPass(INFERENCE_AWARE or CustomGraphPass):
         if not all(chained):
             return None  # an opaque user pass: caching would be unsafe (Inductor bypasses the cache for it too)
         digest = hashlib.sha256(get_hash_for_files(_sources()))
-        digest.update(repr((self.options, self.fusing, torch.__version__, chained)).encode())
+        digest.update(repr((self.options, self.fusing, torch.__version__, chained, self.source)).encode())
         return digest.digest()

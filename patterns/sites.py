@@ -541,10 +541,10 @@ def norm_modulate_site(y: Node) -> Site:
     norm = match_norm(aff.n, act, hidden)
     tables = [aff.scale, aff.shift]
     expect(same_shape(shape_of(norm.x), shape_of(y)), "the output's shape is not the norm input's (a broadcast)")
-    upcast = _upcast(tables, aff.compute) if aff.compute != act and not norm.in_fp32 else False
+    upcast = _upcast(tables, aff.compute) if aff.compute != act else False
     expect(aff.compute == act or upcast or dtype_of(aff.scale.source) == f32,
            f"the modulation computes in {aff.compute} with {dtype_of(aff.scale.source)} tables")
-    expect(not norm.in_fp32 or (aff.compute == f32 and dtype_of(aff.scale.source) == f32 and not aff.scale.upcast),
+    expect(not norm.in_fp32 or (aff.compute == f32 and (dtype_of(aff.scale.source) == f32 or aff.scale.upcast)),
            "a norm computed in fp32 modulated by rows in the activation dtype is not fused")
     interior = aff.nodes + norm.nodes + _rows_interior(tables)
     interior = [n for n in interior if n is not y]

@@ -7,6 +7,7 @@ import time
 import h3_fused
 import pytest
 import torch
+import torch.nn.functional as F
 from h3_fused import H3FusionPass
 from h3_fused.backend import EAGER_NUMERICS, eager_numerics_patches
 from h3_fused.graph_pass import INFERENCE_AWARE
@@ -217,3 +218,29 @@ def test_an_inductor_setup_of_ones_own_gets_the_fusion_from_make_config_patches(
     got = torch.compile(site_a, options=options)(**t)
     assert counters["h3_fused"]["norm_modulate"] == 1 and seen == [1]
     assert_bf16_policy(got, site_a(**t))
+
+
+def test_two_dynamo_graphs_that_lower_to_one_inductor_graph_count_their_own_sites(tmp_path, monkeypatch):
+    """``x.float()`` and ``x.to(torch.float32)`` are two Dynamo graphs whose aten graphs are one: each compile
+    keeps its own FX graph cache entry (the pass's uuid holds the Dynamo graph's code), so the second runs the
+    pass and counts its site instead of loading the first's code, which would count nothing."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    t = inputs()
+
+    def upcast_by_float(x, scale, shift, idx):
+        return (F.layer_norm(x.float(), (x.shape[-1],), None, None, 1e-6) * (1 + scale.float()[idx])
+                + shift.float()[idx]).to(x.dtype)
+
+    def upcast_by_to(x, scale, shift, idx):
+        return (F.layer_norm(x.to(torch.float32), (x.shape[-1],), None, None, 1e-6)
+                * (1 + scale.to(torch.float32)[idx]) + shift.to(torch.float32)[idx]).to(x.dtype)
+
+    counted = []
+    with torch._inductor.config.patch(fx_graph_cache=True):
+        for fn in (upcast_by_float, upcast_by_to):
+            torch._dynamo.reset()
+            counters.clear()
+            torch.compile(fn, backend="h3_fused", options={"dtype_policy": "bf16"})(
+                t["x"], t["scale"], t["shift"], t["idx"])
+            counted.append((counters["h3_fused"]["norm_modulate"], counters["inductor"]["fxgraph_cache_hit"]))
+    assert counted == [(1, 0), (1, 0)]
