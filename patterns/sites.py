@@ -373,12 +373,12 @@ def match_gated(u: object) -> Gated:
     act_shape = shape_of(u)
 
     def gate_rank(v) -> int:
-        """How surely ``v`` is the gate's rows: 3 gathered, 2 broadcast over tokens, 1 one of a group of rows per
-        token, 0 not rows."""
+        """How surely ``v`` is the gate's rows: 3 gathered, 2 one of a group of modulation rows (a split, chunk or
+        unbind), 1 rows by their shape alone (broadcast over tokens), 0 not rows."""
         if not (isinstance(v, Node) and _is_rows(v, act_shape)):
             return 0
         rows = match_rows(v, act_shape)
-        return 3 if rows.gathered else 1 if same_shape(rows.shape[-2:], act_shape[-2:]) else 2
+        return 3 if rows.gathered else 2 if _is_split_member(rows.source) else 1
 
     def gated_product(v):
         return is_op(v, MUL) and len(v.args) == 2 and any(gate_rank(a) for a in v.args)
@@ -389,8 +389,9 @@ def match_gated(u: object) -> Gated:
     first, second = operands(prod, MUL, "gate[t] * branch")
     gate_rows, branch = (first, second) if gate_rank(first) >= gate_rank(second) else (second, first)
     gate = match_rows(gate_rows, act_shape)
-    expect(not is_op(strip_views(strip_converts(res)), GATHER),
-           "the residual is itself a gather of table rows, not a residual stream")
+    residual_source = strip_views(strip_converts(res))
+    expect(not (is_op(residual_source, GATHER) or _is_split_member(residual_source)),
+           "the residual is itself modulation rows (a gather, or one of a split of rows), not a residual stream")
     (res, res_cast), (branch, branch_cast) = _exact(res, act), _exact(branch, act)
     for name, v in (("residual", res), ("branch", branch)):
         expect(dtype_of(v) == act and same_shape(shape_of(v), act_shape),
