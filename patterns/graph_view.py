@@ -20,8 +20,9 @@ aten, prims = torch.ops.aten, torch.ops.prims
 ADD = (aten.add.Tensor, aten.add.Scalar)
 MUL = (aten.mul.Tensor, aten.mul.Scalar)
 CONVERT = (prims.convert_element_type.default, aten._to_copy.default)
+# views that only reshape (given modulation rows pass through them to the shape the site broadcasts them at)
 VIEW = (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.unsqueeze.default,
-        aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.expand.default)
+        aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default)
 GATHER = (aten.index.Tensor, aten.index_select.default)
 
 

@@ -118,7 +118,7 @@ def match_rows(node: object, act_shape: tuple, shape: tuple | None = None) -> Ro
                                                 "Qwen-Image's zero_cond_t does): not fused yet")
     expect(not per_token or _is_split_member(top),
            f"{describe(top)} gives a row per token that is not one of a group of modulation rows (a split, chunk or "
-           "unbind)", hint=_row_source_hint(node, top))
+           "unbind)")
     dtype = dtype_of(top)
     expect(dtype in ACTIVATION_DTYPES, f"the rows are {dtype}")
     expect(dtype_of(node) in (dtype, f32), f"the rows are converted to {dtype_of(node)}")
@@ -143,14 +143,6 @@ def _gathered(node: Node, gather: Node, nodes: list[Node]) -> Rows:
     upcast = table_dtype in LOW_PRECISION and dtype_of(node) == f32
     expect(dtype_of(node) in (table_dtype, f32), f"the gathered rows are converted to {dtype_of(node)}")
     return Rows(node, table_src, index_src, None, upcast, nodes)
-
-
-def _row_source_hint(rows: object, source: object) -> str | None:
-    """What the rows ``rows`` (which come from ``source``) are, where that helps: rows split after their gather."""
-    if _is_split_member(source) and is_op(strip_views(strip_converts(source.args[0].args[0])), GATHER):
-        return ("the rows are gathered and then split (`table[index].chunk(n)`); each table gathered on its own "
-                "(`table.chunk(n)[k][index]`) fuses")
-    return None
 
 
 def _is_rows(node: object, act_shape: tuple) -> bool:
