@@ -19,11 +19,15 @@ class SumOrder(enum.IntEnum):
     OWN: the kernel's own order (any order is within ``fp32``).
     FUSED_RMS_NORM: the order of torch's fused RMSNorm CUDA kernel, which ``nn.RMSNorm`` and ``F.rms_norm`` run.
     MEAN: the order of torch's generic reduction, which the native RMSNorm's ``x.pow(2).mean(-1)`` runs.
+    FUSED_LAYER_NORM: the order and arithmetic of torch's LayerNorm CUDA kernel (its vectorized path), which
+    ``nn.LayerNorm`` and ``F.layer_norm`` run: Welford's online mean and sum of squared deviations per thread,
+    then Welford's combines (``forward_kernel._welford_step``, ``_eager_welford_total``).
     """
 
     OWN = 0
     FUSED_RMS_NORM = 1
     MEAN = 2
+    FUSED_LAYER_NORM = 3
 
 
 @dataclass(frozen=True)
@@ -44,8 +48,8 @@ class Rounding:
     norm_sum_order: the eager CUDA kernel whose order of the norm's fp32 sum of squares, and whose mean, the
     forward kernel reproduces, so that ``r`` is eager's bit for bit: ``SumOrder.FUSED_RMS_NORM`` for
     ``nn.RMSNorm`` and ``F.rms_norm`` (one rounding, ``norm_before_weight`` false); ``SumOrder.MEAN`` for the
-    native RMSNorm; ``SumOrder.OWN``: the kernel's own order (a LayerNorm's mean and variance, whose eager
-    kernel's Welford order is not reproduced). Reproduced where eager takes the path measured
+    native RMSNorm; ``SumOrder.FUSED_LAYER_NORM`` for a LayerNorm (its mean and variance); ``SumOrder.OWN``: the
+    kernel's own order. Reproduced where eager takes the path measured
     (``launch.norm_sum_order`` says where: ``H`` a multiple of 4, rows aligned to 4 elements, which the launch
     does not check of a view; for ``MEAN`` at least 16 rows).
 
@@ -82,10 +86,10 @@ def rounding_for(policy: str, activation: torch.dtype, gate_table: torch.dtype |
                  upcast_tables: bool, norm_in_fp32: bool = False, layer_norm: bool = False) -> Rounding:
     """The rounding points of the eager graph under ``bf16``; only the stored ones under ``fp32``.
     ``norm_in_fp32``: the graph normalizes the activations upcast to fp32 and keeps the norm's output (and so
-    the affine) in fp32; ``layer_norm``: its norm is a LayerNorm, whose sums the kernel adds in its own order."""
+    the affine) in fp32; ``layer_norm``: its norm is a LayerNorm."""
     if policy == "fp32":
         return Rounding(False, False, False, False, fused_multiply_add=True)
-    sum_order = SumOrder.OWN if layer_norm else SumOrder.MEAN if norm_rounds_before_weight else SumOrder.FUSED_RMS_NORM
+    sum_order = SumOrder.FUSED_LAYER_NORM if layer_norm else SumOrder.MEAN if norm_rounds_before_weight else SumOrder.FUSED_RMS_NORM
     if activation in (torch.float32, torch.float64):  # nothing to round to
         return Rounding(False, False, False, False, norm_sum_order=sum_order)
 

@@ -9,6 +9,10 @@ Per row ``t`` (``i = index[t]``, arithmetic in fp32 unless said below, ``R`` = r
     site A/B:  r = rsqrt(sum(u*u) * (1/H) + eps)  (the sum and the mean in the order and form of eager's kernel
                                                where NORM_SUM_ORDER says: ``_eager_norm_mean``)
                n = u * r                       (R if ROUND_NORM_BEFORE_WEIGHT, then * w if HAS_WEIGHT)
+      or, LAYER_NORM:
+               r = rsqrt(var(u) + eps), n = (u - mean(u)) * r   (the biased variance; mean and variance by
+                                               Welford's updates in the order of eager's kernel where
+                                               NORM_SUM_ORDER says: ``_eager_welford_total``)
                n = R(n) if ROUND_NORM
                p = 1 + scale[i]                (R if ROUND_AFFINE)
                q = n * p                       (R if ROUND_AFFINE; fused with the add if FUSE_MULTIPLY_ADD)
@@ -18,7 +22,7 @@ Per row ``t`` (``i = index[t]``, arithmetic in fp32 unless said below, ``R`` = r
 
 The ``ROUND_*``, ``FUSE_MULTIPLY_ADD`` and ``NORM_SUM_ORDER`` constexprs are ``contract.Rounding``'s fields,
 one for one (``NORM_SUM_ORDER``: a ``contract.SumOrder``, compared here with ``OWN_ORDER``,
-``FUSED_RMS_NORM_ORDER`` and ``MEAN_ORDER``); ``launch.ForwardSpecialisation`` declares them all.
+``FUSED_RMS_NORM_ORDER``, ``MEAN_ORDER`` and ``FUSED_LAYER_NORM_ORDER``); ``launch.ForwardSpecialisation`` declares them all.
 
 Each program holds ``BLOCK_T`` whole rows in registers, read in chunks of ``CHUNK`` columns; the chunks
 of ``u`` stay in registers (in the activation dtype) from the sum of squares to the modulation. Each
@@ -50,6 +54,8 @@ from .device_math import mul_rn, rounded, rounded_product, rsqrt, sum_rounded_on
 OWN_ORDER = tl.constexpr(SumOrder.OWN.value)
 FUSED_RMS_NORM_ORDER = tl.constexpr(SumOrder.FUSED_RMS_NORM.value)
 MEAN_ORDER = tl.constexpr(SumOrder.MEAN.value)
+FUSED_LAYER_NORM_ORDER = tl.constexpr(SumOrder.FUSED_LAYER_NORM.value)
+EAGER_THREADS = tl.constexpr(128)  # the threads of a row in torch's fused RMSNorm and LayerNorm CUDA kernels
 
 
 @triton.jit
@@ -294,6 +300,90 @@ def _eager_norm_mean(partial, n_rows, program, zero, HIDDEN: tl.constexpr, NORM_
 
 
 @triton.jit
+def _welford_step(mean, spread, v, k: tl.constexpr, active, PARTIAL: tl.constexpr):
+    """Welford's online update of torch's LayerNorm CUDA kernel for each thread's ``k``-th value ``v``:
+    ``delta = v - mean``, ``mean' = fma(delta, 1/k, mean)``, ``spread' = fma(delta, v - mean', spread)``, with
+    ``1/k`` rounded once (nvcc divides without fast math) and the two multiply-adds contracted, as nvcc
+    compiles the kernel's ``mean + delta * (1/k)`` and ``sigma2 + delta * (v - mean')``. ``PARTIAL``: only
+    the ``active`` threads update (the chunk that crosses ``H``)."""
+    coef = tl.math.div_rn(tl.full([1, 1], 1.0, tl.float32), tl.full([1, 1], k, tl.float32))
+    delta = v - mean
+    new_mean = tl.fma(delta, coef, mean)
+    new_spread = tl.fma(delta, v - new_mean, spread)
+    if PARTIAL:
+        new_mean, new_spread = tl.where(active, new_mean, mean), tl.where(active, new_spread, spread)
+    return new_mean, new_spread
+
+
+@triton.jit
+def _add_as_fused_layer_norm(mean, spread, u, c: tl.constexpr, HIDDEN: tl.constexpr):
+    """Each thread's running mean and sum of squared deviations (``[BLOCK_T, 128]``) after chunk ``c`` of ``u``
+    (``[BLOCK_T, 512]`` fp32), in the order of torch's LayerNorm CUDA kernel (the vectorized path, ``H`` a
+    multiple of 4): 128 threads a row, thread ``t`` reading the 4-element vectors ``t, t + 128, ...``, one
+    Welford update per element, in order. A chunk is one vector of each thread; in the chunk that crosses
+    ``H`` the threads beyond it take no update."""
+    BT: tl.constexpr = u.shape[0]
+    THREADS: tl.constexpr = u.shape[1] // 4
+    PARTIAL: tl.constexpr = (c + 1) * 4 * THREADS > HIDDEN
+    active = (tl.arange(0, THREADS) < (HIDDEN - c * 4 * THREADS) // 4)[None, :]
+    even, odd = tl.split(tl.reshape(u, [BT, THREADS, 2, 2]))  # each thread's elements 0, 2 and 1, 3
+    v0, v2 = tl.split(even)
+    v1, v3 = tl.split(odd)
+    mean, spread = _welford_step(mean, spread, v0, 4 * c + 1, active, PARTIAL)
+    mean, spread = _welford_step(mean, spread, v1, 4 * c + 2, active, PARTIAL)
+    mean, spread = _welford_step(mean, spread, v2, 4 * c + 3, active, PARTIAL)
+    return _welford_step(mean, spread, v3, 4 * c + 4, active, PARTIAL)
+
+
+@triton.jit
+def _welford_combine(mean_b, spread_b, n_b, mean_a, spread_a, n_a):
+    """torch's LayerNorm CUDA kernel's ``cuWelfordCombine(b, a)`` (``b`` the thread's own statistics, ``a`` the
+    ones it receives): ``delta = mean_b - mean_a``, ``n = n_a + n_b``, ``c = 1/n`` (rounded once),
+    ``mean = fma(n_a * c, mean_a, (n_b * c) * mean_b)``, ``spread = fma(delta * delta * n_a, n_b * c,
+    spread_a + spread_b)``; all 0 where ``n`` is."""
+    n = n_a + n_b
+    coef = tl.math.div_rn(tl.full([1], 1.0, tl.float32), tl.maximum(n, 1.0))
+    share_a, share_b = n_a * coef, n_b * coef
+    delta = mean_b - mean_a
+    mean = tl.fma(share_a, mean_a, share_b * mean_b)
+    spread = tl.fma(delta * delta * n_a, share_b, spread_a + spread_b)
+    return tl.where(n > 0, mean, 0.0), tl.where(n > 0, spread, 0.0), n
+
+
+@triton.jit
+def _welford_halves(mean, spread, n, shape: tl.constexpr, order: tl.constexpr):
+    """Each thread of the first half of axis ``-2`` of ``shape`` (the views' shape, that axis of 2) combined
+    with its partner in the second half (``_welford_combine``), the axis removed."""
+    mean_b, mean_a = tl.split(tl.permute(tl.reshape(mean, shape), order))
+    spread_b, spread_a = tl.split(tl.permute(tl.reshape(spread, shape), order))
+    n_b, n_a = tl.split(tl.permute(tl.reshape(n, shape), order))
+    return _welford_combine(mean_b, spread_b, n_b, mean_a, spread_a, n_a)
+
+
+@triton.jit
+def _eager_welford_total(mean, spread, HIDDEN: tl.constexpr):
+    """A row's mean and (biased) variance from its 128 threads' Welford statistics (``_add_as_fused_layer_norm``),
+    in the order of torch's LayerNorm CUDA kernel: within each of its 4 warps a shuffle-down tree of
+    ``_welford_combine`` (thread ``l`` with thread ``l + 16``, then ``l + 8``, ... ``l + 1``), then across the
+    warps in shared memory (warp ``w`` with warp ``w + 2``, then warp 0 with warp 1); the variance the sum of
+    squared deviations divided by ``H`` (rounded once). A thread's count is 4 per vector it read; a thread
+    that read none joins the tree with count 0, as in eager (a combine with it is not always exact)."""
+    BT: tl.constexpr = mean.shape[0]
+    WARPS: tl.constexpr = EAGER_THREADS // 32
+    VECTORS: tl.constexpr = HIDDEN // 4
+    t = tl.arange(0, EAGER_THREADS)
+    count = tl.where(t < VECTORS, (VECTORS - t + EAGER_THREADS - 1) // EAGER_THREADS, 0) * 4
+    n = tl.broadcast_to(count.to(tl.float32)[None, :], [BT, EAGER_THREADS])
+    for step in tl.static_range(5):
+        mean, spread, n = _welford_halves(mean, spread, n, [BT, WARPS, 2, 16 >> step], [0, 1, 3, 2])
+    mean, spread, n = tl.reshape(mean, [BT, WARPS]), tl.reshape(spread, [BT, WARPS]), tl.reshape(n, [BT, WARPS])
+    for step in tl.static_range(2):
+        mean, spread, n = _welford_halves(mean, spread, n, [BT, 2, 2 >> step], [0, 2, 1])
+    mean, spread = tl.reshape(mean, [BT]), tl.reshape(spread, [BT])
+    return mean, tl.math.div_rn(spread, tl.full([1], HIDDEN, tl.float32))
+
+
+@triton.jit
 def _touch_table_rows(program, w_ptr, shift_ptr, scale_ptr, gate_ptr, num_table_rows, stride_shift, stride_scale,
                       stride_gate, HIDDEN: tl.constexpr, HAS_GATE: tl.constexpr, HAS_NORM: tl.constexpr,
                       HAS_WEIGHT: tl.constexpr, WARMING_LANES: tl.constexpr):
@@ -367,7 +457,9 @@ def modulation_kernel(
             i = rows - q * tokens
 
         kept = ()  # the row's chunks of u, in the activation dtype (exact: u is rounded to it or loaded in it)
-        squares = tl.zeros([BLOCK_T, CHUNK // 4 if NORM_SUM_ORDER == FUSED_RMS_NORM_ORDER else CHUNK], tl.float32)
+        PER_THREAD: tl.constexpr = NORM_SUM_ORDER == FUSED_RMS_NORM_ORDER or NORM_SUM_ORDER == FUSED_LAYER_NORM_ORDER
+        partial = tl.zeros([BLOCK_T, CHUNK // 4 if PER_THREAD else CHUNK], tl.float32)
+        spread = tl.zeros([BLOCK_T, CHUNK // 4 if PER_THREAD else CHUNK], tl.float32)  # Welford's, per thread
         for c in tl.static_range(triton.cdiv(HIDDEN, CHUNK)):
             lanes, mask = _chunk(c, row_ok, CHUNK, HIDDEN)
             u = _new_residual(x_ptr, res_ptr, branch_ptr, gate_ptr, u_ptr, rows, q, i, zero, c * CHUNK, lanes, mask,
@@ -375,14 +467,16 @@ def modulation_kernel(
                               ROUND_GATE, FUSE_MULTIPLY_ADD, GATHERED, INTERPRETED)
             if HAS_NORM:
                 wide = widened(u)
-                if LAYER_NORM:  # the sum of the values, for the mean
-                    squares += wide
+                if LAYER_NORM and NORM_SUM_ORDER == FUSED_LAYER_NORM_ORDER:  # running means, and spreads
+                    partial, spread = _add_as_fused_layer_norm(partial, spread, wide, c, HIDDEN)
+                elif LAYER_NORM:  # the sum of the values, for the mean
+                    partial += wide
                 elif NORM_SUM_ORDER == FUSED_RMS_NORM_ORDER:
-                    squares = _add_squares_as_fused_rms_norm(squares, wide)
+                    partial = _add_squares_as_fused_rms_norm(partial, wide)
                 elif NORM_SUM_ORDER == MEAN_ORDER:
-                    squares = _add_squares_as_mean(squares, wide, zero)
+                    partial = _add_squares_as_mean(partial, wide, zero)
                 else:  # an explicit FMA: the same build whatever Triton's default for contracting them
-                    squares = tl.fma(wide, wide, squares)
+                    partial = tl.fma(wide, wide, partial)
             kept = kept + (u,)
         tables = (0.0, 0.0, 0.0)
         if HAS_NORM and PRELOAD_TABLE_CHUNKS and HAS_GATE:  # site B: arriving while the row is reduced (after the check: slower)
@@ -404,8 +498,11 @@ def modulation_kernel(
             # fp32 constants and scalars (Inductor may pass eps as a constexpr float, which computes in fp64)
             inverse_h = tl.cast(1.0 / HIDDEN, tl.float32)
             mean = 0.0
-            if LAYER_NORM:  # the mean, then the variance about it from the row kept in registers, in the kernel's order
-                mean = tl.sum(squares, axis=1) * inverse_h
+            if LAYER_NORM and NORM_SUM_ORDER == FUSED_LAYER_NORM_ORDER:
+                mean, variance = _eager_welford_total(partial, spread, HIDDEN)
+                shifted = variance + tl.cast(eps, tl.float32)
+            elif LAYER_NORM:  # the mean, then the variance about it from the row kept in registers, in the kernel's order
+                mean = tl.sum(partial, axis=1) * inverse_h
                 deviations = tl.zeros([BLOCK_T, CHUNK], tl.float32)
                 for c in tl.static_range(triton.cdiv(HIDDEN, CHUNK)):
                     lanes, mask = _chunk(c, row_ok, CHUNK, HIDDEN)
@@ -413,10 +510,10 @@ def modulation_kernel(
                     deviations = tl.fma(deviation, deviation, deviations)
                 shifted = tl.fma(tl.sum(deviations, axis=1), inverse_h, tl.cast(eps, tl.float32))
             elif NORM_SUM_ORDER != OWN_ORDER:
-                shifted = _eager_norm_mean(squares, n_rows, rows_program, zero, HIDDEN, NORM_SUM_ORDER) + \
+                shifted = _eager_norm_mean(partial, n_rows, rows_program, zero, HIDDEN, NORM_SUM_ORDER) + \
                     tl.cast(eps, tl.float32)
             else:
-                shifted = tl.fma(tl.sum(squares, axis=1), inverse_h, tl.cast(eps, tl.float32))
+                shifted = tl.fma(tl.sum(partial, axis=1), inverse_h, tl.cast(eps, tl.float32))
             r = rsqrt(shifted, INTERPRETED)
             chunks: tl.constexpr = triton.cdiv(HIDDEN, CHUNK)
             for c in tl.static_range(chunks):

@@ -73,7 +73,11 @@ def norm_sum_order(rounding: Rounding, hidden: int, has_norm: bool, rows: int | 
 def sum_order_chunk(hidden: int, sum_order: SumOrder) -> int | None:
     """The chunk width the order ``sum_order`` needs (None: any): one 4-element vector per eager thread, 128
     threads for the fused RMSNorm (512 columns, or the padded row), for the mean one warp's lanes, as many as
-    the row's vectors allow (``4 * min(32, last power of 2 <= H / 4)``)."""
+    the row's vectors allow (``4 * min(32, last power of 2 <= H / 4)``); for the LayerNorm 512 columns whatever
+    ``H``, since its tree is over all of eager's 128 threads (a combine with a thread that read nothing is not
+    always exact, unlike adding 0)."""
+    if sum_order is SumOrder.FUSED_LAYER_NORM:
+        return 512
     if sum_order is SumOrder.FUSED_RMS_NORM:
         return min(1 << (int(hidden) - 1).bit_length(), 512)
     if sum_order is SumOrder.MEAN:
@@ -124,6 +128,7 @@ def launch_config(hidden: int, has_gate: bool, has_norm: bool, rows: int | None,
     chunk = min(padded, max(1, 32 * num_warps * 8 // block_t))  # the quotient is 0 at H = 1
     if sum_order is not SumOrder.OWN:
         num_warps, chunk = MIN_WARPS, sum_order_chunk(hidden, sum_order)
+        block_t = min(block_t, max(1, 2048 // chunk))  # a chunk wider than the row (the LayerNorm's) holds fewer rows
         if sum_order is SumOrder.MEAN:
             block_t, num_warps = 1, MEAN_ORDER_WARPS
     tables = has_norm and has_affine

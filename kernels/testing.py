@@ -165,23 +165,26 @@ def backward_inputs(site: str, tokens: int, hidden: int, table_rows: int = 6, *,
     return a, (rows_of(saved.u, a, "u"), rows_of(dy, a, "dy"), rows_of(du, a, "du"))
 
 
-def site_rounding(site: str, policy: str, native: bool = False) -> Rounding:
+def site_rounding(site: str, policy: str, native: bool = False, norm: str = "rms") -> Rounding:
     """The ``contract.Rounding`` of ``site`` under ``policy`` with bf16 activations and tables, for the
-    ``nn.RMSNorm`` spelling or the native one (``native``)."""
-    gate, norm = site != "A", site != "C"
-    return rounding_for(policy, torch.bfloat16, torch.bfloat16 if gate else None, torch.bfloat16 if norm else None,
-                        norm_rounds_before_weight=native, upcast_tables=False)
+    ``nn.RMSNorm`` spelling, the native one (``native``) or a LayerNorm (``norm="layer"``)."""
+    gate, normed = site != "A", site != "C"
+    return rounding_for(policy, torch.bfloat16, torch.bfloat16 if gate else None, torch.bfloat16 if normed else None,
+                        norm_rounds_before_weight=native, upcast_tables=False, layer_norm=norm == "layer")
 
 
-def shipped_sum_order(site: str, hidden: int, rows: int | None, policy: str, native: bool = False) -> SumOrder:
+def shipped_sum_order(site: str, hidden: int, rows: int | None, policy: str, native: bool = False,
+                      norm: str = "rms") -> SumOrder:
     """The ``NORM_SUM_ORDER`` the launch picks for ``site`` (see ``site_rounding``) at ``rows`` rows."""
-    return norm_sum_order(site_rounding(site, policy, native), hidden, site != "C", rows)
+    return norm_sum_order(site_rounding(site, policy, native, norm), hidden, site != "C", rows)
 
 
-def shipped_launch_config(site: str, hidden: int, rows: int | None, policy: str, native: bool = False) -> LaunchConfig:
+def shipped_launch_config(site: str, hidden: int, rows: int | None, policy: str, native: bool = False,
+                          norm: str = "rms") -> LaunchConfig:
     """The configuration ``launch_config`` picks for ``site`` (A: a norm; B: a gate and a norm; C: a gate) at
     ``hidden`` columns and ``rows`` rows (None: a symbolic count) under ``policy`` (see ``site_rounding``)."""
-    return launch_config(hidden, site != "A", site != "C", rows, shipped_sum_order(site, hidden, rows, policy, native))
+    return launch_config(hidden, site != "A", site != "C", rows,
+                         shipped_sum_order(site, hidden, rows, policy, native, norm))
 
 
 def minimal_bytes(site: str, tokens: int, hidden: int, itemsize: int = 2) -> int:

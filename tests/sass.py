@@ -33,15 +33,16 @@ CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia",
 
 
 def compile_site(site: str, policy: str, hidden: int, config=None, index: str = "i64", constants=None,
-                 native: bool = False, fp_fusion: bool = True):
+                 native: bool = False, fp_fusion: bool = True, norm: str = "rms"):
     """``modulation_kernel`` compiled for sm_90 as the ops launch it (or with ``config``) at a symbolic row
-    count, for an index of Triton type ``index`` (``"i64"`` or ``"i32"``) and the ``nn.RMSNorm`` spelling or
-    the native one (``native``); ``constants``: scalar arguments made constants, as Triton does with a value
-    of 1 (e.g. ``{"n_rows": 1}``); ``fp_fusion``: Triton's ``enable_fp_fusion``."""
-    config = config or shipped_launch_config(site, hidden, None, policy, native)
-    flags = dict(norm_rounds_before_weight=native) if site != "C" else {}
+    count, for an index of Triton type ``index`` (``"i64"`` or ``"i32"``) and the ``nn.RMSNorm`` spelling,
+    the native one (``native``) or a LayerNorm (``norm="layer"``); ``constants``: scalar arguments made
+    constants, as Triton does with a value of 1 (e.g. ``{"n_rows": 1}``); ``fp_fusion``: Triton's
+    ``enable_fp_fusion``."""
+    config = config or shipped_launch_config(site, hidden, None, policy, native, norm)
+    flags = dict(norm_rounds_before_weight=native, norm=norm) if site != "C" else {}
     a = check_args(**make_inputs(site, 1, hidden, device="cpu"), **flags, policy=policy, has_norm=site != "C")
-    spec = ForwardSpecialisation.of(a, config, shipped_sum_order(site, hidden, None, policy, native))
+    spec = ForwardSpecialisation.of(a, config, shipped_sum_order(site, hidden, None, policy, native, norm))
     # tokens is 1 where the rows are gathered, which Triton (and Inductor) make a constant
     constants = constexprs(spec) | dict(INTERPRETED=False, tokens=1) | (constants or {})
     signature = {name: "*bf16" for name in POINTERS} | {"idx_ptr": f"*{index}"} | SCALARS

@@ -118,3 +118,13 @@ def test_the_builds_do_not_depend_on_triton_contracting_multiply_adds(site, poli
     backward = [compile_backward(site, policy, HIDDEN, fp_fusion=on).asm["ptx"] for on in (True, False)]
     for contracted, apart in (forward, backward):
         assert float_arithmetic(contracted) == float_arithmetic(apart)
+
+
+@pytest.mark.parametrize("site", ["A", "B"])
+def test_the_layer_norm_builds_keep_eagers_arithmetic(site):
+    """A LayerNorm site under ``bf16`` (its statistics by Welford's updates and combines in the order of eager's
+    kernel, every multiply-add written out): no bf16 FMA, and the same float instructions whether or not Triton
+    contracts multiply-adds, at a width whose last chunk leaves eager's threads idle (H = 3,200)."""
+    builds = [compile_site(site, "bf16", 3200, norm="layer", fp_fusion=on).asm["ptx"] for on in (True, False)]
+    assert not re.findall(r"^\s+fma\.rn\.bf16", builds[0], re.M)
+    assert float_arithmetic(builds[0]) == float_arithmetic(builds[1])

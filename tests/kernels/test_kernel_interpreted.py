@@ -18,15 +18,19 @@ from h3_fused.kernels import gate_norm_modulate, gate_residual, launch, norm_mod
 from h3_fused.kernels.arguments import check_args
 from h3_fused.kernels.contract import SumOrder
 from h3_fused.kernels.forward_kernel import (
+    EAGER_THREADS as EAGER_THREADS_CONSTEXPR,
     FUSED_RMS_NORM_ORDER,
+    _add_as_fused_layer_norm,
     _add_squares_as_fused_rms_norm,
     _add_squares_as_mean,
     _eager_norm_mean,
+    _eager_welford_total,
 )
 from h3_fused.kernels.reference import reference_modulation
 
 pytestmark = pytest.mark.interpreted
 bf16 = torch.bfloat16
+EAGER_THREADS = EAGER_THREADS_CONSTEXPR.value
 
 
 def site_inputs(tokens, hidden, seed=0):
@@ -290,3 +294,97 @@ def test_the_norm_mean_takes_the_order_of_eagers_kernel(order, hidden):
     assert torch.equal(got, expected)
     if hidden > 4:  # one vector: a single thread's sum, in any order
         assert not torch.equal(expected * hidden, x.float().square().sum(-1)), "the data must make the order matter"
+
+
+def fma32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """``a * b + c`` of fp32 tensors rounded once to fp32: the product is exact in fp64, and the fp64 sum with
+    its exact error (TwoSum) rounded to odd keeps what the one rounding to fp32 needs."""
+    p, r = a.double() * b.double(), c.double()
+    s = p + r
+    t = s - r
+    e = (r - (s - t)) + (p - t)
+    beyond = ((e < 0) & (s > 0)) | ((e > 0) & (s < 0))
+    bits = (s.view(torch.int64) - beyond.to(torch.int64)) | (e != 0).to(torch.int64)
+    return bits.view(torch.float64).float()
+
+
+def welford_combine(b, a):
+    """``cuWelfordCombine(b, a)`` of torch's LayerNorm CUDA kernel on ``(mean, spread, count)`` triples."""
+    n = a[2] + b[2]
+    coef = 1.0 / torch.clamp(n, min=1.0)
+    share_a, share_b = a[2] * coef, b[2] * coef
+    delta = b[0] - a[0]
+    mean = fma32(share_a, a[0], share_b * b[0])
+    spread = fma32(delta * delta * a[2], share_b, a[1] + b[1])
+    return torch.where(n > 0, mean, 0.0), torch.where(n > 0, spread, 0.0), n
+
+
+def eager_fused_layer_norm_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of ``x`` (``[T, H]``, H a multiple of 4), the mean and biased variance in fp32 as torch's LayerNorm
+    CUDA kernel computes them, one operation at a time: thread ``t`` of 128 takes the elements of its vectors
+    ``t, t + 128, ...`` of 4 in order, each by Welford's update (``delta = v - mean``, ``mean += delta * (1/k)``,
+    ``spread += delta * (v - mean)``, each a contracted multiply-add); a shuffle-down tree of Welford combines
+    over each warp's 32 threads; warp 0 with 2 and 1 with 3, then the two; the spread divided by H."""
+    rows, hidden = x.shape
+    vectors = hidden // 4
+    chunks = -(-vectors // EAGER_THREADS)
+    padded = torch.zeros(rows, chunks * EAGER_THREADS, 4)
+    padded[:, :vectors] = x.float().view(rows, vectors, 4)
+    thread = torch.arange(EAGER_THREADS)
+    mean, spread = torch.zeros(rows, EAGER_THREADS), torch.zeros(rows, EAGER_THREADS)
+    for j in range(chunks):
+        active = j * EAGER_THREADS + thread < vectors
+        for i in range(4):
+            v = padded[:, j * EAGER_THREADS:(j + 1) * EAGER_THREADS, i]
+            delta = v - mean
+            new_mean = fma32(delta, torch.tensor(1.0) / (4 * j + i + 1), mean)
+            spread = torch.where(active, fma32(delta, v - new_mean, spread), spread)
+            mean = torch.where(active, new_mean, mean)
+    count = 4.0 * torch.clamp(torch.div(vectors - thread + EAGER_THREADS - 1, EAGER_THREADS, rounding_mode="floor"), 0)
+    stats = (mean.view(rows, 4, 32), spread.view(rows, 4, 32), count.expand(rows, -1).reshape(rows, 4, 32))
+    while stats[0].shape[-1] > 1:
+        half = stats[0].shape[-1] // 2
+        stats = welford_combine([s[..., :half] for s in stats], [s[..., half:] for s in stats])
+    stats = [s[..., 0] for s in stats]
+    stats = welford_combine([s[:, :2] for s in stats], [s[:, 2:] for s in stats])
+    mean, spread, _ = welford_combine([s[:, :1] for s in stats], [s[:, 1:] for s in stats])
+    return mean[:, 0], spread[:, 0] / hidden
+
+
+@triton.jit
+def eager_order_layer_norm_stats(x_ptr, mean_ptr, var_ptr, HIDDEN: tl.constexpr, CHUNK: tl.constexpr,
+                                 ROWS: tl.constexpr):
+    """Mean and variance of ``ROWS`` rows by the forward kernel's device functions for the LayerNorm's order,
+    chunk by chunk as the kernel calls them."""
+    rows = tl.arange(0, ROWS)
+    mean = tl.zeros([ROWS, CHUNK // 4], tl.float32)
+    spread = tl.zeros([ROWS, CHUNK // 4], tl.float32)
+    for c in tl.static_range(triton.cdiv(HIDDEN, CHUNK)):
+        cols = c * CHUNK + tl.arange(0, CHUNK)
+        u = tl.load(x_ptr + rows[:, None] * HIDDEN + cols[None, :], mask=(cols < HIDDEN)[None, :], other=0.0)
+        mean, spread = _add_as_fused_layer_norm(mean, spread, u.to(tl.float32), c, HIDDEN)
+    mean, var = _eager_welford_total(mean, spread, HIDDEN)
+    tl.store(mean_ptr + rows, mean)
+    tl.store(var_ptr + rows, var)
+
+
+@pytest.mark.parametrize("hidden", [4, 200, 512, 1536, 2052])
+@pytest.mark.parametrize("dtype", [bf16, torch.float32])
+def test_the_layer_norm_statistics_take_the_order_of_eagers_kernel(hidden, dtype):
+    """The LayerNorm's device functions, with the chunk the launch gives them, against torch's LayerNorm CUDA
+    kernel's Welford order written out operation by operation: the same fp32 mean and variance, bit for bit,
+    on rows whose statistics depend on the order (an offset mean, magnitudes over six decades), with threads
+    that read fewer vectors (H = 2,052) or none (H < 512)."""
+    from h3_fused.kernels.launch import sum_order_chunk
+
+    g = torch.Generator().manual_seed(hidden)
+    spread = torch.logspace(-3, 3, hidden)[torch.randperm(hidden, generator=g)]
+    x = (torch.randn(8, hidden, generator=g) * spread + 3.0).to(dtype)
+    mean, var = torch.empty(8), torch.empty(8)
+    eager_order_layer_norm_stats[(1,)](x, mean, var, HIDDEN=hidden, CHUNK=sum_order_chunk(hidden, SumOrder.FUSED_LAYER_NORM),
+                                       ROWS=8)
+    expected_mean, expected_var = eager_fused_layer_norm_stats(x)
+    assert torch.equal(mean, expected_mean) and torch.equal(var, expected_var)
+    if hidden > 4:
+        exact = x.double()
+        assert not torch.equal(expected_var, exact.var(-1, unbiased=False).float()), "the data must make the order matter"
