@@ -457,7 +457,7 @@ def modulation_kernel(
             i = rows - q * tokens
 
         kept = ()  # the row's chunks of u, in the activation dtype (exact: u is rounded to it or loaded in it)
-        PER_THREAD: tl.constexpr = NORM_SUM_ORDER == FUSED_RMS_NORM_ORDER or NORM_SUM_ORDER == FUSED_LAYER_NORM_ORDER
+        PER_THREAD: tl.constexpr = NORM_SUM_ORDER != OWN_ORDER and NORM_SUM_ORDER != MEAN_ORDER  # one sum a thread
         partial = tl.zeros([BLOCK_T, CHUNK // 4 if PER_THREAD else CHUNK], tl.float32)
         spread = tl.zeros([BLOCK_T, CHUNK // 4 if PER_THREAD else CHUNK], tl.float32)  # Welford's, per thread
         for c in tl.static_range(triton.cdiv(HIDDEN, CHUNK)):

@@ -18,7 +18,7 @@ from h3_fused.kernels import gate_norm_modulate, gate_residual, launch, norm_mod
 from h3_fused.kernels.arguments import check_args
 from h3_fused.kernels.contract import SumOrder
 from h3_fused.kernels.forward_kernel import (
-    EAGER_THREADS as EAGER_THREADS_CONSTEXPR,
+    EAGER_THREADS,
     FUSED_RMS_NORM_ORDER,
     _add_as_fused_layer_norm,
     _add_squares_as_fused_rms_norm,
@@ -30,7 +30,6 @@ from h3_fused.kernels.reference import reference_modulation
 
 pytestmark = pytest.mark.interpreted
 bf16 = torch.bfloat16
-EAGER_THREADS = EAGER_THREADS_CONSTEXPR.value
 
 
 def site_inputs(tokens, hidden, seed=0):
@@ -326,21 +325,22 @@ def eager_fused_layer_norm_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.T
     ``spread += delta * (v - mean)``, each a contracted multiply-add); a shuffle-down tree of Welford combines
     over each warp's 32 threads; warp 0 with 2 and 1 with 3, then the two; the spread divided by H."""
     rows, hidden = x.shape
+    threads = EAGER_THREADS.value
     vectors = hidden // 4
-    chunks = -(-vectors // EAGER_THREADS)
-    padded = torch.zeros(rows, chunks * EAGER_THREADS, 4)
+    chunks = -(-vectors // threads)
+    padded = torch.zeros(rows, chunks * threads, 4)
     padded[:, :vectors] = x.float().view(rows, vectors, 4)
-    thread = torch.arange(EAGER_THREADS)
-    mean, spread = torch.zeros(rows, EAGER_THREADS), torch.zeros(rows, EAGER_THREADS)
+    thread = torch.arange(threads)
+    mean, spread = torch.zeros(rows, threads), torch.zeros(rows, threads)
     for j in range(chunks):
-        active = j * EAGER_THREADS + thread < vectors
+        active = j * threads + thread < vectors
         for i in range(4):
-            v = padded[:, j * EAGER_THREADS:(j + 1) * EAGER_THREADS, i]
+            v = padded[:, j * threads:(j + 1) * threads, i]
             delta = v - mean
             new_mean = fma32(delta, torch.tensor(1.0) / (4 * j + i + 1), mean)
             spread = torch.where(active, fma32(delta, v - new_mean, spread), spread)
             mean = torch.where(active, new_mean, mean)
-    count = 4.0 * torch.clamp(torch.div(vectors - thread + EAGER_THREADS - 1, EAGER_THREADS, rounding_mode="floor"), 0)
+    count = 4.0 * torch.clamp(torch.div(vectors - thread + threads - 1, threads, rounding_mode="floor"), 0)
     stats = (mean.view(rows, 4, 32), spread.view(rows, 4, 32), count.expand(rows, -1).reshape(rows, 4, 32))
     while stats[0].shape[-1] > 1:
         half = stats[0].shape[-1] // 2
