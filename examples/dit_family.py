@@ -193,8 +193,8 @@ def compare(name: str, device: str, real: bool, policy: str, regional: bool) -> 
         logger.removeHandler(handler)
         logger.setLevel(level)
     made = counters["h3_fused"]
-    return dict(sites={kind.value: made[kind.value] for kind in SiteKind}, norms=made["eager_rms_norm"],
-                refused=made["refused"], reasons=refusals, equal=torch.equal(got, expected),
+    return dict(sites={kind.value: made[kind.value] for kind in SiteKind},
+                norms={kind: made[f"eager_{kind}_norm"] for kind in ("rms", "layer")}, refused=made["refused"], reasons=refusals, equal=torch.equal(got, expected),
                 same=(got == expected).float().mean().item(), max_diff=(got.float() - expected.float()).abs().max().item())
 
 
@@ -211,7 +211,8 @@ def main():
     for name in args.models or MODELS:
         r = compare(name, device, device == "cuda", args.policy, args.regional)
         sites = ", ".join(f"{op} {n}" for op, n in r["sites"].items() if n) or "none"
-        print(f"{name:14s} sites fused: {sites}; RMSNorms in eager's order {r['norms']}; refused {r['refused']}; "
+        norms = ", ".join(f"{kind} {n}" for kind, n in r["norms"].items() if n) or "none"
+        print(f"{name:14s} sites fused: {sites}; other norms as eager computes them: {norms}; refused {r['refused']}; "
               f"bit-identical {100 * r['same']:7.3f}%, max|diff| {r['max_diff']:.3e}")
         for reason in dict.fromkeys(r["reasons"]):
             print(f"    {reason}")

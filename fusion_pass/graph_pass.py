@@ -1,8 +1,8 @@
 """``H3FusionPass``: the Inductor post-grad pass that fuses every modulation site it can prove.
 
 Order: find site-A outputs and site-C outputs, merge each C whose stored residual feeds an A into one
-B-shaped site, then replace; under ``bf16``, then put ``h3_fused::eager_rms_norm`` (eager's bits) where an
-RMSNorm is left outside the sites. Candidates that fail a check are left untouched and logged with the
+B-shaped site, then replace; under ``bf16``, then put ``h3_fused::eager_rms_norm`` or
+``h3_fused::eager_layer_norm`` (eager's bits) where a norm is left outside the sites. Candidates that fail a check are left untouched and logged with the
 reason. The pass is a ``CustomGraphPass`` whose ``uuid()`` hashes the pattern, kernel and pass sources
 and the options, so the FX graph cache stays on and a change of any of them misses.
 """
@@ -68,7 +68,7 @@ class H3FusionPass(INFERENCE_AWARE or CustomGraphPass):
             sites, norms = self.fuse(graph)
             if sites or norms:
                 graph.lint()
-            log.debug("h3_fused: %d site(s) fused, %d RMSNorm(s) outside them in eager's order, in %.1f ms", sites,
+            log.debug("h3_fused: %d site(s) fused, %d norm(s) outside them as eager computes them, in %.1f ms", sites,
                       norms, 1e3 * (time.perf_counter() - start))
         for chained in self.chained:
             if INFERENCE_AWARE is not None and isinstance(chained, INFERENCE_AWARE):
@@ -77,7 +77,7 @@ class H3FusionPass(INFERENCE_AWARE or CustomGraphPass):
                 chained(graph)
 
     def fuse(self, graph: Graph) -> tuple[int, int]:
-        """Replace every site of ``graph``, then (``bf16``) the RMSNorms outside them; ``(sites, norms)``
+        """Replace every site of ``graph``, then (``bf16``) the norms outside them; ``(sites, norms)``
         replaced."""
         sites = find_sites(graph, refuse, note=log.debug)
         return replace_sites(graph, sites, self.options, decomposed=True), replace_norms(graph, self.options)

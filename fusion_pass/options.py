@@ -1,9 +1,9 @@
 """Options of the h3_fused backend and pass.
 
 ``dtype_policy``: ``"auto"`` (default), ``"bf16"`` or ``"fp32"`` (see ``h3_fused.kernels.policy``).
-``eager_norms``: under ``bf16``, compute every RMSNorm outside the sites in eager's order
-(``h3_fused::eager_rms_norm``), so that its output is eager's bit for bit (default True; False leaves such
-norms to Inductor, which fuses them with their neighbours in its own order).
+``eager_norms``: under ``bf16``, compute every RMSNorm and LayerNorm outside the sites as eager does
+(``h3_fused::eager_rms_norm``, ``h3_fused::eager_layer_norm``), so that its output is eager's bit for bit
+(default True; False leaves such norms to Inductor, which fuses them with their neighbours in its own order).
 Every other key is an Inductor config option, passed through unchanged; any other key is refused where the
 options are read, with the nearest known key. Under the ``bf16`` policy the
 backend also turns on Inductor's settings for eager's numerics in the parts of the graph that are not

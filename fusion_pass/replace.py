@@ -1,5 +1,5 @@
 """Replacing the sites a search found, under the pass's options: counted, logged, each output renamed for the
-sites that read it; then, under the ``bf16`` policy, the RMSNorms outside the sites in eager's order."""
+sites that read it; then, under the ``bf16`` policy, the norms outside the sites as eager computes them."""
 
 from __future__ import annotations
 
@@ -38,17 +38,25 @@ def _where(outputs) -> str:
     return " at " + ", ".join(source_of(out) or f"FX node {out.name}" for out in outputs)
 
 
+NORM_NAMES = {"rms": "RMSNorm", "layer": "LayerNorm"}
+
+
 def replace_norms(graph: Graph, options: FusionOptions) -> int:
-    """Put ``h3_fused::eager_rms_norm`` where ``graph`` has an RMSNorm outside its sites, on tensors whose policy
-    is ``bf16`` (with ``options.eager_norms``); the number replaced."""
+    """Put ``h3_fused::eager_rms_norm`` or ``h3_fused::eager_layer_norm`` where ``graph`` has an RMSNorm or a
+    LayerNorm outside its sites, on tensors whose policy is ``bf16`` (with ``options.eager_norms``); the number
+    replaced."""
     if not options.eager_norms:
         return 0
     kept = 0
-    for found in find_norms(graph, lambda node, why: refuse(node, why, "an RMSNorm kept as eager computes it"),
+    renamed = {}  # outputs of replaced norms -> the op's outputs (the input of a norm after it)
+    for found in find_norms(graph, lambda node, why: refuse(node, why, "a norm kept as eager computes it"),
                             wanted=lambda node: resolve_policy(options.dtype_policy, device_of(node)) == "bf16"):
         name, where = found.output.name, source_of(found.output, " at ")
-        replace_norm(graph, found)
+        found.norm.x = renamed.get(found.norm.x, found.norm.x)
+        renamed[found.output] = replace_norm(graph, found)
         kept += 1
-        count("eager_rms_norm")
-        log.debug("h3_fused: the RMSNorm %s%s computed in eager's order (h3_fused::eager_rms_norm)", name, where)
+        op = f"eager_{found.norm.kind}_norm"
+        count(op)
+        log.debug("h3_fused: the %s %s%s computed as eager computes it (h3_fused::%s)", NORM_NAMES[found.norm.kind],
+                  name, where, op)
     return kept

@@ -1,11 +1,13 @@
-"""``h3_fused::eager_rms_norm``: an RMSNorm with eager's bits, whose sum Inductor cannot reorder.
+"""Norms with eager's bits, whose sums Inductor cannot reorder: ``h3_fused::eager_rms_norm`` and
+``h3_fused::eager_layer_norm``.
 
-Inductor compiles a norm's fp32 sum of squares in its own order, which on CUDA differs from the order of the
-kernel eager runs: the sum, and so the norm's output, differs from eager's in the last place of single elements
-(of the order of one in 10^5), and one such flip reaches every output of a model a few blocks later. Under the
-``bf16`` policy the pass therefore puts this op where a graph has an RMSNorm that is not part of a modulation site
-(the attention's per-head q/k norms, a token refiner's norms). It computes the norm one of two ways, both eager's
-bits:
+Inductor compiles a norm's fp32 sums in its own order, which on CUDA differs from the order of the kernel eager
+runs: the sums, and so the norm's output, differ from eager's in the last place of single elements (of the order
+of one in 10^5), and one such flip reaches every output of a model a few blocks later. Under the ``bf16`` policy
+the pass therefore puts these ops where a graph has a norm that is not part of a modulation site (the attention's
+per-head q/k norms, a token refiner's norms, a cross-attention's LayerNorm with its bias).
+
+``eager_rms_norm`` computes the RMSNorm one of two ways, both eager's bits:
 
 - on CUDA, where the forward kernel reproduces the order of the eager kernel the spelling runs
   (``launch.norm_sum_order``), the forward kernel as a plain RMSNorm (site A without tables): the op is a
@@ -14,8 +16,11 @@ bits:
   ``h3_fused::eager_kernels_rms_norm``, a custom op whose body is the spelling's eager operations, which Inductor
   calls as they are.
 
-Either way the price is the fusion Inductor would have made of the norm with its neighbours (RoPE, for q and k):
-the normalized rows are written and read once more.
+``eager_layer_norm`` is ``F.layer_norm`` itself, called as it is (its bias is one more term than the forward
+kernel's norm has).
+
+Either way the price is the fusion Inductor would have made of the norm with its neighbours (RoPE, for q and k;
+the residual add before a LayerNorm): the normalized rows are written and read once more.
 """
 
 from __future__ import annotations
@@ -53,6 +58,18 @@ def eager_kernels_rms_norm(x: Tensor, weight: Tensor | None, eps: float, rounds_
 
 @eager_kernels_rms_norm.register_fake
 def _(x: Tensor, weight: Tensor | None, eps: float, rounds_before_weight: bool) -> Tensor:
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
+@torch.library.custom_op("h3_fused::eager_layer_norm", mutates_args=())
+def eager_layer_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float) -> Tensor:
+    """``F.layer_norm(x, [H], weight, bias, eps)`` over the last dim, as eager computes it (on CUDA torch's
+    LayerNorm kernel), the output contiguous: ``R((x - mean) * rsqrt(var + eps) * w + b)``, the biased variance."""
+    return F.layer_norm(x, (x.shape[-1],), weight, bias, eps).contiguous()
+
+
+@eager_layer_norm.register_fake
+def _(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float) -> Tensor:
     return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
 

@@ -157,8 +157,8 @@ def _is_rows(node: object, act_shape: tuple) -> bool:
 class Norm:
     """A norm over the last dim of ``x``: ``kind`` ``"rms"`` (``nn.RMSNorm`` / ``F.rms_norm`` and diffusers'
     ``RMSNorm``, one rounding; the native spelling, two: ``rounds_before_weight``) or ``"layer"``
-    (``nn.LayerNorm`` / ``F.layer_norm``, one rounding), with or without weight; ``in_fp32``: computed on ``x``
-    upcast to fp32 and its output left in fp32 (no rounding)."""
+    (``nn.LayerNorm`` / ``F.layer_norm``, one rounding), with or without weight (and a LayerNorm's bias);
+    ``in_fp32``: computed on ``x`` upcast to fp32 and its output left in fp32 (no rounding)."""
 
     x: Node
     weight: Node | None
@@ -167,6 +167,7 @@ class Norm:
     nodes: list[Node]
     kind: str = "rms"
     in_fp32: bool = False
+    bias: Node | None = None  # a LayerNorm's, outside the sites (``match_norm``'s ``bias_allowed``)
 
 
 RSQRT = (aten.rsqrt.default,)
@@ -232,10 +233,10 @@ def _match_norm_core(node: object, act: torch.dtype, in_fp32: bool):
     return x, eps, "rms", nodes
 
 
-def _weight_source(w: object, hidden: int) -> Node:
+def _weight_source(w: object, hidden: int, what: str = "weight") -> Node:
     src = strip_converts(w)
-    expect(isinstance(src, Node) and same_shape(shape_of(src), (hidden,)), f"the norm's weight is not [H={hidden}]")
-    expect(dtype_of(src) in ACTIVATION_DTYPES, f"the norm's weight is {dtype_of(src)}")
+    expect(isinstance(src, Node) and same_shape(shape_of(src), (hidden,)), f"the norm's {what} is not [H={hidden}]")
+    expect(dtype_of(src) in ACTIVATION_DTYPES, f"the norm's {what} is {dtype_of(src)}")
     return src
 
 
@@ -252,9 +253,10 @@ def _match_fused_norm(n: Node, act: torch.dtype, hidden: int) -> Norm:
     return Norm(x, _weight_source(weight, hidden) if weight is not None else None, eps, False, [n, fused])
 
 
-def match_norm(n: object, act: torch.dtype, hidden: int) -> Norm:
+def match_norm(n: object, act: torch.dtype, hidden: int, bias_allowed: bool = False) -> Norm:
     """``n`` is the norm's output: in the activation dtype ``act``, or in fp32 where the norm is computed on the
-    activations upcast to fp32 (``Norm.in_fp32``)."""
+    activations upcast to fp32 (``Norm.in_fp32``). ``bias_allowed``: a LayerNorm may add a bias (``+ b``, ``[H]``,
+    after its weight), which no site's kernel adds."""
     if is_op(n, (operator.getitem,)) and is_op(n.args[0], (aten._fused_rms_norm.default,)) and n.args[1] == 0:
         return _match_fused_norm(n, act, hidden)
     in_fp32 = act != f32 and dtype_of(n) == f32
@@ -271,8 +273,13 @@ def match_norm(n: object, act: torch.dtype, hidden: int) -> Norm:
         expect(is_op(top, CONVERT) and dtype_of(top) == act, f"the value modulated is {describe(top)}, not a norm cast to {act}")
         nodes.append(top)
         top = top.args[0]
-    expect(not (is_op(top, ADD) and len(top.args) == 2 and all(isinstance(v, Node) for v in top.args)),
-           "the norm adds a bias: not fused")
+    bias = None
+    if is_op(top, ADD) and len(top.args) == 2 and all(isinstance(v, Node) for v in top.args):
+        expect(bias_allowed, "the norm adds a bias: not fused")
+        normed, b = either_order(top.args, lambda v: is_op(v, MUL), "the normalized value [* weight]")
+        bias = _weight_source(b, hidden, "bias")
+        nodes += [top] + ([b] if b is not bias else [])
+        top = normed
     if weight is None:
         a, b = operands(top, MUL, "normed [* weight]")
         if not (is_op(a, RSQRT) or is_op(b, RSQRT)):  # (x * r) * w
@@ -282,7 +289,8 @@ def match_norm(n: object, act: torch.dtype, hidden: int) -> Norm:
             top = core
     x, eps, kind, core_nodes = _match_norm_core(top, act, in_fp32)
     expect(not (before and kind == "layer"), "a LayerNorm rounded before its weight is not fused")
-    return Norm(x, weight, eps, before, nodes + core_nodes, kind, in_fp32)
+    expect(bias is None or kind == "layer", "an RMSNorm that adds a bias")
+    return Norm(x, weight, eps, before, nodes + core_nodes, kind, in_fp32, bias)
 
 
 @dataclass

@@ -1,5 +1,6 @@
 """Under ``bf16`` the pass puts ``h3_fused::eager_rms_norm`` (eager's own kernels) where a graph has an RMSNorm
-outside the sites: per-head q/k norms, plain norms, the native spelling; never inside a site, never under
+outside the sites: per-head q/k norms, plain norms, the native spelling; and ``h3_fused::eager_layer_norm`` where it
+has a LayerNorm (with weight and bias, of an fp32 upcast, without affine); never inside a site, never under
 ``fp32`` or with ``eager_norms=False``, never where the norm's intermediate values are used elsewhere."""
 
 import pytest
@@ -81,15 +82,47 @@ def test_a_norm_whose_inverse_rms_is_used_elsewhere_is_left_and_logged(h3_fused_
     with torch.no_grad():
         got = torch.compile(fn, backend="h3_fused", options={"dtype_policy": "bf16"})(x, w)
     assert counters["h3_fused"]["eager_rms_norm"] == 0 and counters["h3_fused"]["refused"] == 1
-    assert any("an RMSNorm kept as eager computes it" in r.getMessage() and "also used elsewhere" in r.getMessage()
+    assert any("a norm kept as eager computes it" in r.getMessage() and "also used elsewhere" in r.getMessage()
                for r in h3_fused_log)
     for g, e in zip(got, fn(x, w)):  # Inductor's norm: its own order
         torch.testing.assert_close(g, e)
 
 
-def test_a_layer_norm_is_not_an_rms_norm():
+class LayerNorms(nn.Module):
+    """LayerNorms outside any site, as the DiT family has them: ``nn.LayerNorm`` with weight and bias (a token
+    refiner's), diffusers' ``FP32LayerNorm`` (``F.layer_norm`` of ``x.float()`` with fp32 weight and bias, cast
+    back: Wan's cross-attention norm), and one without affine after a residual add."""
+
+    def __init__(self):
+        super().__init__()
+        self.refiner = nn.LayerNorm(H, eps=1e-6, dtype=bf16)
+        self.cross = nn.LayerNorm(H, eps=1e-6)  # fp32 parameters
+
+    def forward(self, x, context):
+        h = self.refiner(x)
+        h = F.layer_norm(h.float(), (H,), self.cross.weight, self.cross.bias, 1e-6).to(bf16) + context
+        return F.layer_norm(h + x, (H,), eps=1e-5)
+
+
+def test_layer_norms_outside_the_sites_are_computed_by_eagers_layer_norm():
+    seen = []
+    module = LayerNorms()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.2 + (p is module.refiner.weight or p is module.cross.weight))
+        x, context = (torch.randn(2, 40, H, generator=g).to(bf16) for _ in range(2))
+        with torch._inductor.config.patch(post_grad_custom_post_pass=lambda graph: seen.append(
+                (eager_norms_in(graph), sum(n.target is torch.ops.aten.var_mean.correction for n in graph.nodes)))):
+            got = torch.compile(module, backend="h3_fused", options={"dtype_policy": "bf16"})(x, context)
+        expected = module(x, context)
+    assert seen == [(3, 0)] and counters["h3_fused"]["eager_layer_norm"] == 3
+    assert torch.equal(got, expected)
+
+
+def test_layer_norms_stay_inductors_under_fp32():
     seen = []
     with torch._inductor.config.patch(post_grad_custom_post_pass=lambda graph: seen.append(eager_norms_in(graph))):
         torch.compile(lambda x: F.layer_norm(x, (H,)), backend="h3_fused",
-                      options={"dtype_policy": "bf16"})(torch.randn(8, H).to(bf16))
-    assert seen == [0]
+                      options={"dtype_policy": "fp32"})(torch.randn(8, H).to(bf16))
+    assert seen == [0] and counters["h3_fused"]["eager_layer_norm"] == 0
