@@ -44,6 +44,7 @@ from triton.testing import do_bench
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 from minimax_h3 import H3Config, H3Model, TokenLayout, euler_sample, example_inputs, init_weights  # noqa: E402
 from record import write_results  # noqa: E402
+from timing import cuda_kernels  # noqa: E402
 
 TOKENS = 15808
 # the eager-numerics settings the bf16 policy turns on beyond emulate_precision_casts, off
@@ -76,16 +77,6 @@ def compile_regional(model, variant):
     for block in model.blocks:
         block.compile(backend=backend, options=options or None, dynamic=False)
     return model
-
-
-def cuda_kernels(fn) -> list:
-    """The CUDA kernel events of one call of ``fn`` (after a warm-up call), from ``torch.profiler``."""
-    fn()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
 
 
 def profile_kernels(fn) -> tuple[int, float, float, int]:

@@ -6,6 +6,7 @@
   of the GPU's clocks between them cancels in the medians (how kernel changes are compared: side by side).
 - ``copy_bandwidth``: the roof, a 2 GiB device-to-device copy measured in the same run; ``copy_same_bytes``
   a copy of a given byte count timed as the kernels are (ramp-up and tail included).
+- ``cuda_kernels``: the kernels one call launches (``torch.profiler``).
 
 What they measured is written by ``record.write_results``.
 """
@@ -78,3 +79,13 @@ def copy_same_bytes_ms(nbytes: int) -> float:
     src = torch.empty(nbytes // 4, dtype=torch.bfloat16, device="cuda")
     dst = torch.empty_like(src)
     return graph_ms(lambda: dst.copy_(src))
+
+
+def cuda_kernels(fn) -> list:
+    """The CUDA kernel events of one call of ``fn`` (after a warm-up call), from ``torch.profiler``."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]

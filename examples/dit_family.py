@@ -22,6 +22,7 @@ from collections.abc import Callable
 import diffusers
 import h3_fused
 import torch
+from h3_fused import find_repeated_block_classes
 from h3_fused.patterns import SiteKind
 from torch._dynamo.utils import counters
 
@@ -160,12 +161,17 @@ MODELS = {
 }
 
 
-def compile_regionally(model: torch.nn.Module, options: dict) -> None:
-    """diffusers' ``compile_repeated_blocks`` where the model names its blocks, else h3_fused's."""
+def compile_regionally(model: torch.nn.Module, options: dict, backend: str = "h3_fused") -> None:
+    """diffusers' ``compile_repeated_blocks`` where the model names its blocks, else h3_fused's (another
+    ``backend``: each instance of the repeated block classes compiled, as diffusers does it)."""
     if getattr(model, "_repeated_blocks", None):
-        model.compile_repeated_blocks(backend="h3_fused", options=options)
-    else:
+        model.compile_repeated_blocks(backend=backend, options=options)
+    elif backend == "h3_fused":
         h3_fused.compile_repeated_blocks(model, options=options)
+    else:
+        classes = tuple(find_repeated_block_classes(model))
+        for block in [m for m in model.modules() if isinstance(m, classes)]:
+            block.compile(backend=backend, options=options)
 
 
 def compare(name: str, device: str, real: bool, policy: str, regional: bool) -> dict:

@@ -10,6 +10,10 @@ them: the one catalogue the tests and the benchmarks share.
   configuration; ``site_rounding``, ``shipped_sum_order``, ``shipped_launch_config``: what the launch picks;
   ``backward_inputs``: what the backward kernels' launch takes;
 - ``minimal_bytes``: what a site must read and write, the benchmarks' roof.
+
+The DiT family's forms (``FamilyForm``: the norm and its spelling, where the rows come from, fp32 rows with the
+norm and affine of the fp32 upcast) have their own: ``family_rows``, ``family_inputs``, ``family_eager_site``,
+``family_fused_site`` and ``family_minimal_bytes``.
 """
 
 from __future__ import annotations
@@ -191,3 +195,96 @@ def minimal_bytes(site: str, tokens: int, hidden: int, itemsize: int = 2) -> int
     """Each activation read once and each output written once (tables and index are negligible)."""
     streams = {"A": 2, "B": 4, "C": 3}[site]
     return streams * tokens * hidden * itemsize
+
+
+FAMILY_SOURCES = ("per_sample", "per_token", "one_for_all")
+FAMILY_NORMS = ("layer", "rms", "diffusers_rms")
+
+
+@dataclasses.dataclass(frozen=True)
+class FamilyForm:
+    """How a DiT of the family writes its sites. ``norm``: ``"layer"`` (``F.layer_norm``, no affine), ``"rms"``
+    (``F.rms_norm``) or ``"diffusers_rms"`` (diffusers' ``RMSNorm`` without weight: the bf16 activations times the
+    fp32 ``rsqrt`` of the mean of the squares, cast back); ``source``: modulation rows one per sample (``[B, 1, H]``
+    chunks of one ``[B, 6H]`` projection), one per token (``[B, T, H]``) or one for all (``[H]``); ``in_fp32``: the
+    rows fp32, the norm of the fp32 upcast with the affine and the gated residual in fp32, one cast (Wan)."""
+
+    norm: str = "layer"
+    source: str = "per_sample"
+    in_fp32: bool = False
+
+    def op_flags(self) -> dict:
+        """The fused ops' keywords for this form."""
+        return dict(norm="rms" if self.norm != "layer" else "layer", norm_in_fp32=self.in_fp32,
+                    norm_rounds_before_weight=self.norm == "diffusers_rms")
+
+
+def family_rows(form: FamilyForm, batch: int, tokens: int, hidden: int, *, device, generator) -> tuple:
+    """``(shift, scale, gate)`` as a model of ``form`` hands them out, 0.3 times normal values."""
+    dtype = torch.float32 if form.in_fp32 else torch.bfloat16
+    shape = {"per_token": (batch, tokens), "one_for_all": (), "per_sample": (batch,)}[form.source]
+    rows = (0.3 * torch.randn(*shape, 6 * hidden, generator=generator, device=device)).to(dtype).chunk(6, -1)[:3]
+    return tuple(r[:, None] for r in rows) if form.source == "per_sample" else rows
+
+
+def family_inputs(site: str, form: FamilyForm, batch: int, tokens: int, hidden: int, *, device="cuda",
+                  seed: int = 0) -> dict:
+    """The inputs of ``site`` in ``form``, keyed as ``family_eager_site`` and ``family_fused_site`` take them: bf16
+    activations ``[batch, tokens, hidden]`` (``x`` for A, ``residual`` and ``branch`` for B and C) and the rows."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    lead, branch = (torch.randn(batch, tokens, hidden, generator=g, device=device).to(torch.bfloat16) for _ in range(2))
+    shift, scale, gate = family_rows(form, batch, tokens, hidden, device=device, generator=g)
+    if site == "A":
+        return dict(x=lead, shift=shift, scale=scale)
+    gated = dict(residual=lead, gate=gate, branch=branch)
+    return gated if site == "C" else dict(gated, shift=shift, scale=scale)
+
+
+def family_eager_site(site: str, form: FamilyForm, eps: float = 1e-6):
+    """The eager function of ``site`` as a model of ``form`` writes it: ``u = res + gate * branch`` (in fp32 with
+    one cast where ``in_fp32``); ``y = (norm(x) * (1 + scale) + shift)`` cast to the activations' dtype, the norm
+    of ``x.float()`` where ``in_fp32``."""
+    def norm(x):
+        base = x.float() if form.in_fp32 else x
+        if form.norm == "layer":
+            return F.layer_norm(base, (base.shape[-1],), eps=eps)
+        if form.norm == "rms":
+            return F.rms_norm(base, (base.shape[-1],), eps=eps)
+        return (base * torch.rsqrt(base.float().pow(2).mean(-1, keepdim=True) + eps)).to(base.dtype)
+
+    def a(x, shift, scale):
+        return (norm(x) * (1 + scale) + shift).type_as(x)
+
+    def c(residual, gate, branch):
+        return (residual.float() + branch * gate).type_as(residual) if form.in_fp32 else residual + gate * branch
+
+    def b(residual, gate, branch, shift, scale):
+        u = c(residual, gate, branch)
+        return u, a(u, shift, scale)
+
+    return {"A": a, "B": b, "C": c}[site]
+
+
+def family_fused_site(site: str, form: FamilyForm, policy: str, eps: float = 1e-6):
+    """A call of ``site``'s public op on ``family_inputs(site, form, ...)``."""
+    flags = dict(form.op_flags(), eps=eps, policy=policy)
+
+    def a(x, shift, scale):
+        return norm_modulate(x, None, shift, scale, None, **flags)
+
+    def b(residual, gate, branch, shift, scale):
+        return gate_norm_modulate(residual, gate, branch, None, shift, scale, None, **flags)
+
+    def c(residual, gate, branch):
+        return gate_residual(residual, gate, branch, None, policy=policy)
+
+    return {"A": a, "B": b, "C": c}[site]
+
+
+def family_minimal_bytes(site: str, inputs: dict) -> int:
+    """What ``site`` must move: each activation read once and each output written once, and the rows wherever
+    they are one per token (rows per sample or for all are negligible)."""
+    lead = inputs.get("x", inputs.get("residual"))
+    per_token = sum(t.numel() * t.element_size() for k, t in inputs.items()
+                    if k in ("shift", "scale", "gate") and t.shape[:-1] == lead.shape[:-1])
+    return minimal_bytes(site, lead.numel() // lead.shape[-1], lead.shape[-1], lead.element_size()) + per_token

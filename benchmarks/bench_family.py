@@ -1,0 +1,154 @@
+"""The DiT family on a CUDA GPU: each model's sites at its real width, and two real-size blocks of each model.
+
+    python benchmarks/bench_family.py --out benchmarks/results/family.json [--parts sites blocks] [--models flux wan]
+
+1. ``sites``: per model, its site forms (``MODELS``: norm and spelling, rows' source, fp32 rows) at its hidden
+   size, sites A, B and C, batch 1 at 16,384 tokens and at the model's typical count: eager, Inductor,
+   Inductor with ``emulate_precision_casts``, the eager site compiled with ``backend="h3_fused"`` (``bf16``) and
+   the fused op called directly, beside a copy of the site's minimal bytes (``family_minimal_bytes``). Each row:
+   ``us_graph`` (``timing.graph_ms``), ``roof_share`` (minimal bytes over ``us_graph`` against the run's copy
+   bandwidth), ``mismatch`` (the share of the output's elements, ``y`` or for C ``u``, not eager's bits) and, for
+   the compiled variants, the sites the pass fused.
+2. ``blocks``: ``examples/dit_family.py``'s models at the released dims with 2 blocks, eager, Inductor with
+   ``emulate_precision_casts`` and h3_fused (``bf16``), whole-model and by repeated blocks: ms per forward
+   (``do_bench``, a call as a user makes it), CUDA kernels per forward, and whether the output is eager's bit
+   for bit (``equal``; ``mismatch``: the share of elements that differ).
+One JSON list of rows in ``--out`` (overwritten after each part).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+
+import torch
+from h3_fused.kernels.testing import (
+    FamilyForm,
+    family_eager_site,
+    family_fused_site,
+    family_inputs,
+    family_minimal_bytes,
+)
+from record import write_results
+from timing import copy_bandwidth, copy_same_bytes_ms, cuda_kernels, graph_ms, mismatch
+from torch._dynamo.utils import counters
+from triton.testing import do_bench
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+import dit_family  # noqa: E402
+
+MODELS = {  # model: (hidden, its sites' form, its typical tokens per sample; dit-family.md section 5)
+    "flux": (3072, FamilyForm("layer", "per_sample"), 4608),
+    "wan": (5120, FamilyForm("layer", "per_sample", in_fp32=True), 32760),
+    "wan_ti2v": (3072, FamilyForm("layer", "per_token", in_fp32=True), 27280),
+    "hunyuan_video": (3072, FamilyForm("layer", "per_sample"), 30256),
+    "qwen_image": (3072, FamilyForm("layer", "per_sample"), 6912),
+    "ltx_video": (2048, FamilyForm("diffusers_rms", "per_sample"), 12288),
+    "sd3": (1536, FamilyForm("layer", "per_sample"), 4429),
+}
+TOKENS = 16384
+SITE_VARIANTS = {  # name -> (backend, options); None: eager
+    "eager": None,
+    "inductor": ("inductor", {}),
+    "inductor_epc": ("inductor", {"emulate_precision_casts": True}),
+    "h3_fused_bf16": ("h3_fused", {"dtype_policy": "bf16"}),
+}
+BLOCK_VARIANTS = {k: SITE_VARIANTS[k] for k in ("eager", "inductor_epc", "h3_fused_bf16")}
+
+
+def fresh() -> None:
+    torch._dynamo.reset()
+    counters.clear()
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def output_of(site: str, result) -> torch.Tensor:
+    """``y`` (sites A, B) or ``u`` (site C) of a site's result."""
+    return result[1] if site == "B" else result
+
+
+def sites_part(models, rows: list) -> None:
+    roof = copy_bandwidth()
+    print(f"copy bandwidth {roof:.0f} GB/s on {torch.cuda.get_device_name()}", flush=True)
+    for model in models:
+        hidden, form, typical = MODELS[model]
+        for tokens in sorted({TOKENS, typical}):
+            for site in ("A", "B", "C"):
+                fresh()
+                inputs = family_inputs(site, form, 1, tokens, hidden)
+                eager = family_eager_site(site, form)
+                expected = output_of(site, eager(**inputs))
+                nbytes = family_minimal_bytes(site, inputs)
+                case = dict(part="sites", model=model, site=site, T=tokens, H=hidden, norm=form.norm,
+                            source=form.source, in_fp32=form.in_fp32, roof_gbs=roof)
+                calls = {name: eager if spec is None else torch.compile(eager, backend=spec[0], options=spec[1],
+                                                                         dynamic=False)
+                         for name, spec in SITE_VARIANTS.items()}
+                calls["h3_fused_op"] = family_fused_site(site, form, "bf16")
+                for name, fn in calls.items():
+                    counters.clear()
+                    got = output_of(site, fn(**inputs))
+                    fused = sum(counters["h3_fused"][k] for k in ("norm_modulate", "gate_norm_modulate", "gate_residual"))
+                    ms = graph_ms(lambda fn=fn: fn(**inputs))
+                    gbs = nbytes / ms / 1e6
+                    rows.append(dict(case, variant=name, us_graph=ms * 1e3, gbs=gbs, roof_share=gbs / roof,
+                                     mismatch=mismatch(got, expected), fused=fused))
+                    print(f"{model:13s} {site} T={tokens:6d} {name:14s} {ms * 1e3:8.1f} us {100 * gbs / roof:5.1f}% "
+                          f"mismatch {rows[-1]['mismatch']:.1e} fused {fused}", flush=True)
+                ms = copy_same_bytes_ms(nbytes)
+                rows.append(dict(case, variant="copy_same_bytes", us_graph=ms * 1e3, gbs=nbytes / ms / 1e6,
+                                 roof_share=nbytes / ms / 1e6 / roof))
+
+
+def compiled(model: torch.nn.Module, variant: str, regional: bool):
+    spec = BLOCK_VARIANTS[variant]
+    if spec is None:
+        return model
+    backend, options = spec
+    if not regional:
+        return torch.compile(model, backend=backend, options=options)
+    dit_family.compile_regionally(model, options, backend=backend)
+    return model
+
+
+def blocks_part(models, rows: list) -> None:
+    for model_name in models:
+        family = dit_family.MODELS[model_name]
+        for variant, regional in [("eager", False)] + [(v, r) for v in BLOCK_VARIANTS if v != "eager" for r in (True, False)]:
+            fresh()
+            model, inputs = family.example("cuda", real=True)
+            with torch.no_grad():
+                expected = model(**inputs)[0]
+                fn = compiled(model, variant, regional)
+                got = fn(**inputs)[0]
+                call = lambda fn=fn, inputs=inputs: fn(**inputs)  # noqa: E731
+                ms = do_bench(call, return_mode="median")
+                kernels = len(cuda_kernels(call))
+            rows.append(dict(part="blocks", model=model_name, variant=variant, mode="regional" if regional else "whole",
+                             T=family.tokens[1], ms=ms, kernels=kernels, equal=torch.equal(got, expected),
+                             mismatch=(got != expected).float().mean().item(),
+                             fused=sum(counters["h3_fused"][k] for k in ("norm_modulate", "gate_norm_modulate",
+                                                                          "gate_residual"))))
+            r = rows[-1]
+            print(f"{model_name:13s} {variant:14s} {r['mode']:8s} {ms:8.3f} ms {kernels:4d} kernels "
+                  f"equal {r['equal']} (mismatch {r['mismatch']:.1e}) fused {r['fused']}", flush=True)
+            del model, inputs, expected, got, fn
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="benchmarks/results/family.json")
+    parser.add_argument("--parts", nargs="+", default=["sites", "blocks"], choices=["sites", "blocks"])
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    args = parser.parse_args()
+    rows = []
+    for part in args.parts:
+        {"sites": sites_part, "blocks": blocks_part}[part](args.models, rows)
+        write_results(args.out, rows)
+
+
+if __name__ == "__main__":
+    main()
