@@ -13,7 +13,7 @@
    ``emulate_precision_casts`` and h3_fused (``bf16``), whole-model and by repeated blocks: ms per forward
    (``do_bench``, a call as a user makes it), CUDA kernels per forward, and whether the output is eager's bit
    for bit (``equal``; ``mismatch``: the share of elements that differ).
-One JSON list of rows in ``--out`` (overwritten after each part).
+One JSON list of rows in ``--out`` (overwritten after each model).
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def output_of(site: str, result) -> torch.Tensor:
     return result[1] if site == "B" else result
 
 
-def sites_part(models, rows: list) -> None:
+def sites_part(models, rows: list, save) -> None:
     roof = copy_bandwidth()
     print(f"copy bandwidth {roof:.0f} GB/s on {torch.cuda.get_device_name()}", flush=True)
     for model in models:
@@ -101,6 +101,7 @@ def sites_part(models, rows: list) -> None:
                 ms = copy_same_bytes_ms(nbytes)
                 rows.append(dict(case, variant="copy_same_bytes", us_graph=ms * 1e3, gbs=nbytes / ms / 1e6,
                                  roof_share=nbytes / ms / 1e6 / roof))
+        save()
 
 
 def compiled(model: torch.nn.Module, variant: str, regional: bool):
@@ -114,7 +115,7 @@ def compiled(model: torch.nn.Module, variant: str, regional: bool):
     return model
 
 
-def blocks_part(models, rows: list) -> None:
+def blocks_part(models, rows: list, save) -> None:
     for model_name in models:
         family = dit_family.MODELS[model_name]
         for variant, regional in [("eager", False)] + [(v, r) for v in BLOCK_VARIANTS if v != "eager" for r in (True, False)]:
@@ -136,6 +137,7 @@ def blocks_part(models, rows: list) -> None:
             print(f"{model_name:13s} {variant:14s} {r['mode']:8s} {ms:8.3f} ms {kernels:4d} kernels "
                   f"equal {r['equal']} (mismatch {r['mismatch']:.1e}) fused {r['fused']}", flush=True)
             del model, inputs, expected, got, fn
+            save()
 
 
 def main():
@@ -146,8 +148,7 @@ def main():
     args = parser.parse_args()
     rows = []
     for part in args.parts:
-        {"sites": sites_part, "blocks": blocks_part}[part](args.models, rows)
-        write_results(args.out, rows)
+        {"sites": sites_part, "blocks": blocks_part}[part](args.models, rows, lambda: write_results(args.out, rows))
 
 
 if __name__ == "__main__":

@@ -54,7 +54,7 @@ class Family:
 
     def example(self, device: str, real: bool, seed: int = 0) -> tuple[torch.nn.Module, dict]:
         model = self.build(device, real, seed)
-        config = self.real if real else self.tiny
+        config = dict(model.config)  # the class's defaults under the config's overrides
         g = torch.Generator().manual_seed(seed)
         inputs = self.inputs(config, self.tokens[real], g)
         return model, {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
