@@ -155,8 +155,10 @@ def _is_rows(node: object, act_shape: tuple) -> bool:
 
 @dataclass
 class Norm:
-    """A norm over the last dim of ``x``: ``kind`` ``"rms"`` (``nn.RMSNorm`` / ``F.rms_norm`` and diffusers'
-    ``RMSNorm``, one rounding; the native spelling, two: ``rounds_before_weight``) or ``"layer"``
+    """A norm over the last dim of ``x``: ``kind`` ``"rms"`` (``nn.RMSNorm`` / ``F.rms_norm``, one rounding; the
+    native spelling, ``rounds_before_weight``: the mean of the squares written out, which on CUDA torch's generic
+    reduction computes, and the normalized row rounded before the weight, as diffusers' ``RMSNorm`` also does) or
+    ``"layer"``
     (``nn.LayerNorm`` / ``F.layer_norm``, one rounding), with or without weight (and a LayerNorm's bias);
     ``in_fp32``: computed on ``x`` upcast to fp32 and its output left in fp32 (no rounding)."""
 
@@ -290,6 +292,9 @@ def match_norm(n: object, act: torch.dtype, hidden: int, bias_allowed: bool = Fa
     x, eps, kind, core_nodes = _match_norm_core(top, act, in_fp32)
     expect(not (before and kind == "layer"), "a LayerNorm rounded before its weight is not fused")
     expect(bias is None or kind == "layer", "an RMSNorm that adds a bias")
+    # an RMSNorm without weight whose mean of the squares is written out (diffusers' ``RMSNorm``, LTX-Video's) is
+    # the native spelling: on CUDA torch's generic reduction computes its mean; it rounds once either way
+    before = before or (kind == "rms" and weight is None)
     return Norm(x, weight, eps, before, nodes + core_nodes, kind, in_fp32, bias)
 
 

@@ -151,3 +151,25 @@ def test_the_fused_rms_norm_of_a_graph_traced_before_autograd_is_a_norm():
     (site,) = find_sites(graph, refuse=lambda node, why: pytest.fail(f"refused: {why}"))
     assert site.kind is SiteKind.NORM_MODULATE and site.eps == pytest.approx(1e-5)
     assert site.inputs["x"] is inputs["x"] and site.inputs["weight"] is inputs["w"]
+
+
+def test_an_rms_norm_without_weight_whose_mean_is_written_out_takes_the_reductions_order():
+    """diffusers' ``RMSNorm`` without weight (LTX-Video's) writes ``x.float().pow(2).mean(-1)`` out: on CUDA torch's
+    generic reduction computes that mean, so the site is the native spelling (``SumOrder.MEAN`` on CUDA; one rounding
+    either way), not ``F.rms_norm``'s fused kernel."""
+    from h3_fused.kernels.contract import SumOrder, rounding_for
+    from h3_fused.patterns import find_sites
+
+    def site_a(x, emb):
+        shift, scale = emb.chunk(2, -1)
+        n = (x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+        return n * (1 + scale[:, None]) + shift[:, None]
+
+    found = []
+    with torch._inductor.config.patch(post_grad_custom_pre_pass=lambda graph: found.extend(find_sites(graph, refuse=lambda n, why: None))):
+        torch.compile(site_a, backend="inductor")(torch.randn(2, 40, H).to(bf16), torch.randn(2, 2 * H).to(bf16))
+    (site,) = found
+    assert site.norm == "rms" and site.norm_rounds_before_weight
+    rounding = rounding_for("bf16", bf16, None, bf16, norm_rounds_before_weight=site.norm_rounds_before_weight,
+                            upcast_tables=False)
+    assert rounding.norm_sum_order is SumOrder.MEAN
