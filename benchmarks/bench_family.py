@@ -81,7 +81,7 @@ def sites_part(models, rows: list, save) -> None:
                 inputs = family_inputs(site, form, 1, tokens, hidden)
                 eager = family_eager_site(site, form)
                 expected = output_of(site, eager(**inputs))
-                nbytes = family_minimal_bytes(site, inputs)
+                nbytes = family_minimal_bytes(site, form, inputs)
                 case = dict(part="sites", model=model, site=site, T=tokens, H=hidden, norm=form.norm,
                             source=form.source, in_fp32=form.in_fp32, roof_gbs=roof)
                 calls = {name: eager if spec is None else torch.compile(eager, backend=spec[0], options=spec[1],

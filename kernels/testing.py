@@ -12,8 +12,8 @@ them: the one catalogue the tests and the benchmarks share.
 - ``minimal_bytes``: what a site must read and write, the benchmarks' roof.
 
 The DiT family's forms (``FamilyForm``: the norm and its spelling, where the rows come from, fp32 rows with the
-norm and affine of the fp32 upcast) have their own: ``family_rows``, ``family_inputs``, ``family_eager_site``,
-``family_fused_site`` and ``family_minimal_bytes``.
+norm and affine of the fp32 upcast) have their own: ``family_modulation``, ``family_rows``, ``family_inputs``,
+``family_eager_site``, ``family_fused_site`` and ``family_minimal_bytes``.
 """
 
 from __future__ import annotations
@@ -219,31 +219,39 @@ class FamilyForm:
                     norm_rounds_before_weight=self.norm == "diffusers_rms")
 
 
-def family_rows(form: FamilyForm, batch: int, tokens: int, hidden: int, *, device, generator) -> tuple:
-    """``(shift, scale, gate)`` as a model of ``form`` hands them out, 0.3 times normal values."""
-    dtype = torch.float32 if form.in_fp32 else torch.bfloat16
+def family_modulation(form: FamilyForm, batch: int, tokens: int, hidden: int, *, device, generator) -> torch.Tensor:
+    """The modulation projection a model of ``form`` chunks its rows from, 0.3 times normal values: ``[B, 6H]``
+    per sample, ``[B, T, 6H]`` per token, ``[6H]`` for all; fp32 where ``in_fp32``, else bf16."""
     shape = {"per_token": (batch, tokens), "one_for_all": (), "per_sample": (batch,)}[form.source]
-    rows = (0.3 * torch.randn(*shape, 6 * hidden, generator=generator, device=device)).to(dtype).chunk(6, -1)[:3]
+    dtype = torch.float32 if form.in_fp32 else torch.bfloat16
+    return (0.3 * torch.randn(*shape, 6 * hidden, generator=generator, device=device)).to(dtype)
+
+
+def family_rows(form: FamilyForm, modulation: torch.Tensor) -> tuple:
+    """``(shift, scale, gate)`` as a model of ``form`` takes them from its projection: ``chunk(6, -1)``, viewed
+    ``[:, None]`` per sample (broadcast over the tokens)."""
+    rows = modulation.chunk(6, -1)[:3]
     return tuple(r[:, None] for r in rows) if form.source == "per_sample" else rows
 
 
 def family_inputs(site: str, form: FamilyForm, batch: int, tokens: int, hidden: int, *, device="cuda",
                   seed: int = 0) -> dict:
     """The inputs of ``site`` in ``form``, keyed as ``family_eager_site`` and ``family_fused_site`` take them: bf16
-    activations ``[batch, tokens, hidden]`` (``x`` for A, ``residual`` and ``branch`` for B and C) and the rows."""
+    activations ``[batch, tokens, hidden]`` (``x`` for A, ``residual`` and ``branch`` for B and C) and the
+    ``modulation`` projection (``family_modulation``), which each site chunks as the model does."""
     g = torch.Generator(device=device).manual_seed(seed)
     lead, branch = (torch.randn(batch, tokens, hidden, generator=g, device=device).to(torch.bfloat16) for _ in range(2))
-    shift, scale, gate = family_rows(form, batch, tokens, hidden, device=device, generator=g)
+    modulation = family_modulation(form, batch, tokens, hidden, device=device, generator=g)
     if site == "A":
-        return dict(x=lead, shift=shift, scale=scale)
-    gated = dict(residual=lead, gate=gate, branch=branch)
-    return gated if site == "C" else dict(gated, shift=shift, scale=scale)
+        return dict(x=lead, modulation=modulation)
+    return dict(residual=lead, branch=branch, modulation=modulation)
 
 
 def family_eager_site(site: str, form: FamilyForm, eps: float = 1e-6):
-    """The eager function of ``site`` as a model of ``form`` writes it: ``u = res + gate * branch`` (in fp32 with
-    one cast where ``in_fp32``); ``y = (norm(x) * (1 + scale) + shift)`` cast to the activations' dtype, the norm
-    of ``x.float()`` where ``in_fp32``."""
+    """The eager function of ``site`` as a model of ``form`` writes it, rows chunked from the projection
+    (``family_rows``): ``u = res + gate * branch`` (in fp32 with one cast where ``in_fp32``);
+    ``y = norm(x) * (1 + scale) + shift`` cast to the activations' dtype, the norm of ``x.float()`` where
+    ``in_fp32``."""
     def norm(x):
         base = x.float() if form.in_fp32 else x
         if form.norm == "layer":
@@ -252,15 +260,23 @@ def family_eager_site(site: str, form: FamilyForm, eps: float = 1e-6):
             return F.rms_norm(base, (base.shape[-1],), eps=eps)
         return (base * torch.rsqrt(base.float().pow(2).mean(-1, keepdim=True) + eps)).to(base.dtype)
 
-    def a(x, shift, scale):
+    def modulated(x, shift, scale):
         return (norm(x) * (1 + scale) + shift).type_as(x)
 
-    def c(residual, gate, branch):
+    def gated(residual, gate, branch):
         return (residual.float() + branch * gate).type_as(residual) if form.in_fp32 else residual + gate * branch
 
-    def b(residual, gate, branch, shift, scale):
-        u = c(residual, gate, branch)
-        return u, a(u, shift, scale)
+    def a(x, modulation):
+        shift, scale, _ = family_rows(form, modulation)
+        return modulated(x, shift, scale)
+
+    def b(residual, branch, modulation):
+        shift, scale, gate = family_rows(form, modulation)
+        u = gated(residual, gate, branch)
+        return u, modulated(u, shift, scale)
+
+    def c(residual, branch, modulation):
+        return gated(residual, family_rows(form, modulation)[2], branch)
 
     return {"A": a, "B": b, "C": c}[site]
 
@@ -269,22 +285,26 @@ def family_fused_site(site: str, form: FamilyForm, policy: str, eps: float = 1e-
     """A call of ``site``'s public op on ``family_inputs(site, form, ...)``."""
     flags = dict(form.op_flags(), eps=eps, policy=policy)
 
-    def a(x, shift, scale):
+    def a(x, modulation):
+        shift, scale, _ = family_rows(form, modulation)
         return norm_modulate(x, None, shift, scale, None, **flags)
 
-    def b(residual, gate, branch, shift, scale):
+    def b(residual, branch, modulation):
+        shift, scale, gate = family_rows(form, modulation)
         return gate_norm_modulate(residual, gate, branch, None, shift, scale, None, **flags)
 
-    def c(residual, gate, branch):
-        return gate_residual(residual, gate, branch, None, policy=policy)
+    def c(residual, branch, modulation):
+        return gate_residual(residual, family_rows(form, modulation)[2], branch, None, policy=policy)
 
     return {"A": a, "B": b, "C": c}[site]
 
 
-def family_minimal_bytes(site: str, inputs: dict) -> int:
-    """What ``site`` must move: each activation read once and each output written once, and the rows wherever
-    they are one per token (rows per sample or for all are negligible)."""
+def family_minimal_bytes(site: str, form: FamilyForm, inputs: dict) -> int:
+    """What ``site`` must move: each activation read once and each output written once, and the rows it uses
+    wherever they are one per token (rows per sample or for all are negligible)."""
     lead = inputs.get("x", inputs.get("residual"))
-    per_token = sum(t.numel() * t.element_size() for k, t in inputs.items()
-                    if k in ("shift", "scale", "gate") and t.shape[:-1] == lead.shape[:-1])
-    return minimal_bytes(site, lead.numel() // lead.shape[-1], lead.shape[-1], lead.element_size()) + per_token
+    rows = lead.numel() // lead.shape[-1]
+    modulation = inputs["modulation"]
+    per_token = 0 if form.source != "per_token" else {"A": 2, "B": 3, "C": 1}[site] * modulation.numel() // 6 * (
+        modulation.element_size())
+    return minimal_bytes(site, rows, lead.shape[-1], lead.element_size()) + per_token

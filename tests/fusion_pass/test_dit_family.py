@@ -9,8 +9,11 @@ By blocks: one compiled graph per block class (and per signature), whose sites a
 """
 
 import pytest
+import torch
 from dit_family import MODELS, compare
+from h3_fused.kernels.testing import FamilyForm, family_eager_site, family_inputs
 from helpers import inductor_matches_eager_on_cpu
+from torch._dynamo.utils import counters
 
 WHOLE = {  # site A, site B, site C
     "flux": (4, 2, 3),  # double block: 2 A, 2 B, 2 C; single block: A, C; norm_out: A
@@ -53,3 +56,22 @@ def test_the_fp32_policy_fuses_the_same_sites_within_its_bound(name):
     assert tuple(r["sites"].values()) == WHOLE[name] and r["refused"] == 0
     assert r["max_diff"] <= 0.05, r
 
+
+
+@pytest.mark.usefixtures("fresh_compile")
+@pytest.mark.parametrize("form", [FamilyForm("layer", "per_sample", True), FamilyForm("layer", "per_token", True),
+                                  FamilyForm("diffusers_rms", "per_token"), FamilyForm("rms", "one_for_all")],
+                         ids=lambda f: f"{f.norm}-{f.source}{'-fp32' if f.in_fp32 else ''}")
+def test_each_site_of_the_benchmarks_forms_is_one_fused_site(form):
+    """The sites ``benchmarks/bench_family.py`` times (``h3_fused.kernels.testing``'s family forms, rows chunked from
+    a projection as the models do), compiled with h3_fused: each is one site of its op, computing eager's output."""
+    for site, op in zip("ABC", ("norm_modulate", "gate_norm_modulate", "gate_residual")):
+        counters.clear()
+        torch._dynamo.reset()
+        inputs = family_inputs(site, form, 2, 9, 64, device="cpu")
+        eager = family_eager_site(site, form)
+        got = torch.compile(eager, backend="h3_fused", options={"dtype_policy": "bf16"})(**inputs)
+        assert dict(counters["h3_fused"]) == {op: 1}, (site, dict(counters["h3_fused"]))
+        tolerance = dict(rtol=0, atol=0) if inductor_matches_eager_on_cpu() else dict(rtol=2 ** -6, atol=2 ** -6)
+        for g, e in zip(*((got, eager(**inputs)) if site == "B" else ((got,), (eager(**inputs),)))):
+            torch.testing.assert_close(g.float(), e.float(), **tolerance)
