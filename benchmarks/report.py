@@ -4,6 +4,7 @@
     python benchmarks/report.py benchmarks/results/ops.json --readme   # the README's
     python benchmarks/report.py benchmarks/results/ops.json --over-copy h3_fused_bf16
     python benchmarks/report.py benchmarks/results/training.json       # the training tables
+    python benchmarks/report.py benchmarks/results/family.json         # the DiT family's tables
 
 Rows of several hidden sizes (``bench_ops.py --hidden``) get an ``H`` column.
 """
@@ -104,11 +105,46 @@ def training_tables(rows: list) -> None:
             print(f"| {r['T']:,} | {r['variant']} | {r['ms']:.1f} | {r['peak_gib']:.2f} |")
 
 
+FAMILY_SITE_VARIANTS = {"copy_same_bytes": "copy, same bytes", "inductor": "Inductor",
+                        "inductor_epc": "Inductor `emulate_precision_casts`", "h3_fused_bf16": "h3_fused `bf16` (backend)",
+                        "h3_fused_op": "h3_fused `bf16` (op)"}
+
+
+def family_tables(rows: list) -> None:
+    """From ``bench_family.py``'s rows: per model, site and T the device time and share of the copy bandwidth per
+    variant (``mm``: the share of the output not eager's bits, where not 0; ``unfused``: the backend fused nothing);
+    then per model the 2-block forwards."""
+    sites = [r for r in rows if r["part"] == "sites"]
+    if sites:
+        print("| model | H | site | T | " + " | ".join(FAMILY_SITE_VARIANTS.values()) + " |")
+        print("|---|---|---|---|" + "---|" * len(FAMILY_SITE_VARIANTS))
+        for case in dict.fromkeys((r["model"], r["H"], r["site"], r["T"]) for r in sites):
+            cells = []
+            for variant in FAMILY_SITE_VARIANTS:
+                r = next(r for r in sites if (r["model"], r["H"], r["site"], r["T"], r["variant"]) == (*case, variant))
+                cell = f"{r['us_graph']:.1f} us, {100 * r['roof_share']:.0f}%"
+                if r.get("mismatch"):
+                    cell += f", mm {r['mismatch']:.1g}".replace("e-0", "e-")
+                if variant == "h3_fused_bf16" and not r["fused"]:
+                    cell += ", unfused"
+                cells.append(cell)
+            print(f"| {case[0]} | {case[1]:,} | {case[2]} | {case[3]:,} | " + " | ".join(cells) + " |")
+    blocks = [r for r in rows if r["part"] == "blocks"]
+    if blocks:
+        print("\n| model | T | variant | mode | ms per forward | CUDA kernels | eager's bits |\n|---|---|---|---|---|---|---|")
+        for r in blocks:
+            bits = "yes" if r["equal"] else f"no ({100 * (1 - r['mismatch']):.1f}% of elements)"
+            print(f"| {r['model']} | {r['T']:,} | {r['variant']} | {r['mode']} | {r['ms']:.2f} | {r['kernels']} | {bits} |")
+
+
 def main(src: str, readme: bool, over_copy: str | None = None) -> None:
     with open(src) as f:
         rows = json.load(f)
     if rows and "kind" in rows[0]:
         training_tables(rows)
+        return
+    if rows and "part" in rows[0]:
+        family_tables(rows)
         return
     if readme:
         readme_table(rows)
