@@ -45,6 +45,7 @@ MODELS = {  # model: (hidden, its sites' form, its typical tokens per sample; di
     "wan_ti2v": (3072, FamilyForm("layer", "per_token", in_fp32=True), 27280),
     "hunyuan_video": (3072, FamilyForm("layer", "per_sample"), 30256),
     "qwen_image": (3072, FamilyForm("layer", "per_sample"), 6912),
+    "qwen_image_edit": (3072, FamilyForm("layer", "chosen"), 8192),
     "ltx_video": (2048, FamilyForm("diffusers_rms", "per_sample"), 12288),
     "sd3": (1536, FamilyForm("layer", "per_sample"), 4429),
 }

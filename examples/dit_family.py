@@ -95,11 +95,14 @@ def _hunyuan_inputs(c, tokens, g):
 
 
 def _qwen_inputs(c, tokens, g):
-    side = _side(tokens)
-    return dict(hidden_states=_randn(g, 2, side * side // 4, c["in_channels"]),
+    """The image's tokens; with ``zero_cond_t`` (Qwen-Image-Edit) half of them the target, half a condition image,
+    which the blocks modulate with the rows of timestep 0."""
+    images = 2 if c["zero_cond_t"] else 1
+    side = _side(tokens // images)
+    return dict(hidden_states=_randn(g, 2, images * side * side // 4, c["in_channels"]),
                 encoder_hidden_states=_randn(g, 2, 7, c["joint_attention_dim"]),
                 encoder_hidden_states_mask=torch.ones(2, 7), timestep=torch.tensor([0.5, 0.7]),
-                img_shapes=[(1, side // 2, side // 2)] * 2, return_dict=False)
+                img_shapes=[[(1, side // 2, side // 2)] * images] * 2, return_dict=False)
 
 
 def _ltx_inputs(c, tokens, g):
@@ -146,6 +149,11 @@ MODELS = {
         dict(patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16, num_attention_heads=2,
              joint_attention_dim=16, axes_dims_rope=(4, 6, 6)),
         dict(num_layers=2), _qwen_inputs, (64, 16384)),
+    "qwen_image_edit": Family(
+        "QwenImageTransformer2DModel",
+        dict(patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16, num_attention_heads=2,
+             joint_attention_dim=16, axes_dims_rope=(4, 6, 6), zero_cond_t=True),
+        dict(num_layers=2, zero_cond_t=True), _qwen_inputs, (128, 16384)),
     "ltx_video": Family(
         "LTXVideoTransformer3DModel",
         dict(in_channels=8, out_channels=8, num_attention_heads=2, attention_head_dim=16, cross_attention_dim=32,

@@ -197,7 +197,7 @@ def minimal_bytes(site: str, tokens: int, hidden: int, itemsize: int = 2) -> int
     return streams * tokens * hidden * itemsize
 
 
-FAMILY_SOURCES = ("per_sample", "per_token", "one_for_all")
+FAMILY_SOURCES = ("per_sample", "per_token", "one_for_all", "chosen")
 FAMILY_NORMS = ("layer", "rms", "diffusers_rms")
 
 
@@ -206,8 +206,10 @@ class FamilyForm:
     """How a DiT of the family writes its sites. ``norm``: ``"layer"`` (``F.layer_norm``, no affine), ``"rms"``
     (``F.rms_norm``) or ``"diffusers_rms"`` (diffusers' ``RMSNorm`` without weight: the bf16 activations times the
     fp32 ``rsqrt`` of the mean of the squares, cast back); ``source``: modulation rows one per sample (``[B, 1, H]``
-    chunks of one ``[B, 6H]`` projection), one per token (``[B, T, H]``) or one for all (``[H]``); ``in_fp32``: the
-    rows fp32, the norm of the fp32 upcast with the affine and the gated residual in fp32, one cast (Wan)."""
+    chunks of one ``[B, 6H]`` projection), one per token (``[B, T, H]``), one for all (``[H]``), or chosen per token
+    between two per sample by ``torch.where`` (Qwen-Image-Edit's ``zero_cond_t``: a ``[2B, 6H]`` projection, the
+    first B rows where the token's ``choice`` holds); ``in_fp32``: the rows fp32, the norm of the fp32 upcast with
+    the affine and the gated residual in fp32, one cast (Wan)."""
 
     norm: str = "layer"
     source: str = "per_sample"
@@ -221,16 +223,22 @@ class FamilyForm:
 
 def family_modulation(form: FamilyForm, batch: int, tokens: int, hidden: int, *, device, generator) -> torch.Tensor:
     """The modulation projection a model of ``form`` chunks its rows from, 0.3 times normal values: ``[B, 6H]``
-    per sample, ``[B, T, 6H]`` per token, ``[6H]`` for all; fp32 where ``in_fp32``, else bf16."""
-    shape = {"per_token": (batch, tokens), "one_for_all": (), "per_sample": (batch,)}[form.source]
+    per sample, ``[B, T, 6H]`` per token, ``[6H]`` for all, ``[2B, 6H]`` for a choice; fp32 where ``in_fp32``, else
+    bf16."""
+    shape = {"per_token": (batch, tokens), "one_for_all": (), "per_sample": (batch,), "chosen": (2 * batch,)}[
+        form.source]
     dtype = torch.float32 if form.in_fp32 else torch.bfloat16
     return (0.3 * torch.randn(*shape, 6 * hidden, generator=generator, device=device)).to(dtype)
 
 
-def family_rows(form: FamilyForm, modulation: torch.Tensor) -> tuple:
+def family_rows(form: FamilyForm, modulation: torch.Tensor, choice: torch.Tensor | None = None) -> tuple:
     """``(shift, scale, gate)`` as a model of ``form`` takes them from its projection: ``chunk(6, -1)``, viewed
-    ``[:, None]`` per sample (broadcast over the tokens)."""
+    ``[:, None]`` per sample (broadcast over the tokens); chosen per token, ``torch.where(choice[..., None],
+    first half, second half)`` with a condition written once per row, as Qwen-Image writes it."""
     rows = modulation.chunk(6, -1)[:3]
+    if form.source == "chosen":
+        samples = modulation.shape[0] // 2
+        return tuple(torch.where(choice[..., None] == 1, r[:samples, None], r[samples:, None]) for r in rows)
     return tuple(r[:, None] for r in rows) if form.source == "per_sample" else rows
 
 
@@ -241,10 +249,12 @@ def family_inputs(site: str, form: FamilyForm, batch: int, tokens: int, hidden: 
     ``modulation`` projection (``family_modulation``), which each site chunks as the model does."""
     g = torch.Generator(device=device).manual_seed(seed)
     lead, branch = (torch.randn(batch, tokens, hidden, generator=g, device=device).to(torch.bfloat16) for _ in range(2))
-    modulation = family_modulation(form, batch, tokens, hidden, device=device, generator=g)
+    rows = dict(modulation=family_modulation(form, batch, tokens, hidden, device=device, generator=g))
+    if form.source == "chosen":  # the first half of each sample's tokens one way, the rest the other
+        rows["choice"] = (torch.arange(tokens, device=device) < tokens // 2).to(torch.int32).expand(batch, tokens)
     if site == "A":
-        return dict(x=lead, modulation=modulation)
-    return dict(residual=lead, branch=branch, modulation=modulation)
+        return dict(x=lead, **rows)
+    return dict(residual=lead, branch=branch, **rows)
 
 
 def family_eager_site(site: str, form: FamilyForm, eps: float = 1e-6):
@@ -266,17 +276,17 @@ def family_eager_site(site: str, form: FamilyForm, eps: float = 1e-6):
     def gated(residual, gate, branch):
         return (residual.float() + branch * gate).type_as(residual) if form.in_fp32 else residual + gate * branch
 
-    def a(x, modulation):
-        shift, scale, _ = family_rows(form, modulation)
+    def a(x, modulation, choice=None):
+        shift, scale, _ = family_rows(form, modulation, choice)
         return modulated(x, shift, scale)
 
-    def b(residual, branch, modulation):
-        shift, scale, gate = family_rows(form, modulation)
+    def b(residual, branch, modulation, choice=None):
+        shift, scale, gate = family_rows(form, modulation, choice)
         u = gated(residual, gate, branch)
         return u, modulated(u, shift, scale)
 
-    def c(residual, branch, modulation):
-        return gated(residual, family_rows(form, modulation)[2], branch)
+    def c(residual, branch, modulation, choice=None):
+        return gated(residual, family_rows(form, modulation, choice)[2], branch)
 
     return {"A": a, "B": b, "C": c}[site]
 
@@ -285,23 +295,23 @@ def family_fused_site(site: str, form: FamilyForm, policy: str, eps: float = 1e-
     """A call of ``site``'s public op on ``family_inputs(site, form, ...)``."""
     flags = dict(form.op_flags(), eps=eps, policy=policy)
 
-    def a(x, modulation):
-        shift, scale, _ = family_rows(form, modulation)
+    def a(x, modulation, choice=None):
+        shift, scale, _ = family_rows(form, modulation, choice)
         return norm_modulate(x, None, shift, scale, None, **flags)
 
-    def b(residual, branch, modulation):
-        shift, scale, gate = family_rows(form, modulation)
+    def b(residual, branch, modulation, choice=None):
+        shift, scale, gate = family_rows(form, modulation, choice)
         return gate_norm_modulate(residual, gate, branch, None, shift, scale, None, **flags)
 
-    def c(residual, branch, modulation):
-        return gate_residual(residual, family_rows(form, modulation)[2], branch, None, policy=policy)
+    def c(residual, branch, modulation, choice=None):
+        return gate_residual(residual, family_rows(form, modulation, choice)[2], branch, None, policy=policy)
 
     return {"A": a, "B": b, "C": c}[site]
 
 
 def family_minimal_bytes(site: str, form: FamilyForm, inputs: dict) -> int:
     """What ``site`` must move: each activation read once and each output written once, and the rows it uses
-    wherever they are one per token (rows per sample or for all are negligible)."""
+    wherever they are one per token (rows per sample or for all, and a choice's index per token, are negligible)."""
     lead = inputs.get("x", inputs.get("residual"))
     rows = lead.numel() // lead.shape[-1]
     modulation = inputs["modulation"]

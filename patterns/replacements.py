@@ -41,6 +41,12 @@ def replacement_fn(site: Site, policy: str):
         index = None
         if site.gathered:
             index = t["index"].expand(rows) if site.index_broadcast else t["index"].reshape(rows)
+        if "choice" in t:  # rows chosen per token between two per sample: gathered from the two stacked, [2B, H]
+            samples, hidden = rows[0], lead.shape[-1]
+            for name in [k for k in ("shift", "scale", "gate") if f"{k}_second" in t]:
+                t[name] = torch.cat([t[name].reshape(samples, hidden), t[f"{name}_second"].reshape(samples, hidden)])
+            first = torch.arange(samples, device=lead.device)[:, None]
+            index = first + samples * (~t["choice"].reshape(rows)).long()
         weight = t.get("weight")
         if site.kind is SiteKind.NORM_MODULATE:
             return (ops.norm_modulate(lead, weight, t["shift"], t["scale"], index, **norm_flags),)

@@ -19,7 +19,9 @@ What varies, each a parameter of the match, not a pattern of its own:
 - the rows ``scale[t]``, ``shift[t]``, ``gate[t]`` (``Rows``): gathered from ``[K, H]`` tables by a per-token
   index (MiniMax-H3), or given: one per sample broadcast over its tokens (``[B, 1, H]``, ``[B, H][:, None]``:
   Flux, Wan, SD3, ...), one per token (``[B, T, H]`` from a split, chunk or unbind of a group of modulation
-  rows: Wan 2.2 TI2V, LTX-Video), one for all; ``1 +`` before or after the view;
+  rows: Wan 2.2 TI2V, LTX-Video), one for all, or chosen per token between two rows per sample by
+  ``torch.where`` (Qwen-Image-Edit's ``zero_cond_t``: gathered from the two by an index the replacement computes
+  from the condition); ``1 +`` before or after the view;
 - where the affine and the residual compute: in the activation dtype, or in fp32 with one cast after
   (``(x.float() + branch * gate).type_as(x)``).
 
@@ -73,8 +75,10 @@ SPLITS = (aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int)
 class Rows:
     """The modulation rows a site reads, one per token: gathered, ``table[index]`` (``index`` set, ``source`` the
     ``[K, H]`` table), or given (``index`` None, ``source`` the rows before views and casts, which the op takes
-    reshaped to ``shape``: ``[.., 1 or T, H]``, broadcasting to the activations). ``upcast``: converted to fp32
-    where the site uses them."""
+    reshaped to ``shape``: ``[.., 1 or T, H]``, broadcasting to the activations), or chosen per token between two
+    rows per sample, ``torch.where(choice, source, second)`` (``second`` and its ``second_shape`` as ``source``
+    and ``shape``; the op gathers them from the two stacked, by an index computed from ``choice``). ``upcast``:
+    converted to fp32 where the site uses them."""
 
     output: Node
     source: Node
@@ -82,6 +86,9 @@ class Rows:
     shape: tuple | None
     upcast: bool
     nodes: list[Node]
+    choice: Node | None = None
+    second: Node | None = None
+    second_shape: tuple | None = None
 
     @property
     def gathered(self) -> bool:
@@ -114,8 +121,8 @@ def match_rows(node: object, act_shape: tuple, shape: tuple | None = None) -> Ro
         same_size(n, 1) or same_size(n, a) for n, a in zip(reversed(shape), reversed(act_shape))),
         f"the rows {shape} do not broadcast to the activations {act_shape} with a full row of H={hidden}")
     per_token = len(shape) >= 2 and not same_size(shape[-2], 1)
-    expect(not is_op(top, (aten.where.self,)), "the rows are chosen per token between two (`torch.where`, as "
-                                                "Qwen-Image's zero_cond_t does): not fused yet")
+    if is_op(top, WHERE) and per_token:  # (a choice per sample makes rows per sample, taken as they are)
+        return _chosen(node, top, nodes + [top], act_shape, shape)
     expect(not per_token or _is_split_member(top),
            f"{describe(top)} gives a row per token that is not one of a group of modulation rows (a split, chunk or "
            "unbind)")
@@ -123,6 +130,42 @@ def match_rows(node: object, act_shape: tuple, shape: tuple | None = None) -> Ro
     expect(dtype in ACTIVATION_DTYPES, f"the rows are {dtype}")
     expect(dtype_of(node) in (dtype, f32), f"the rows are converted to {dtype_of(node)}")
     return Rows(node, top, None, shape, dtype in LOW_PRECISION and dtype_of(node) == f32, nodes)
+
+
+WHERE = (aten.where.self,)
+
+
+def same_value(a: object, b: object, depth: int = 4) -> bool:
+    """Whether ``a`` and ``b`` are one value: the same node, or the same operation of the same values (up to
+    ``depth`` operations deep; a model that writes ``index == 0`` once per row group computes one condition)."""
+    if a is b:
+        return True
+    if not (isinstance(a, Node) and isinstance(b, Node)) or depth == 0:
+        return a == b if not isinstance(a, Node) and not isinstance(b, Node) else False
+    return (a.op == b.op == "call_function" and a.target == b.target and a.kwargs == b.kwargs
+            and len(a.args) == len(b.args) and all(same_value(x, y, depth - 1) for x, y in zip(a.args, b.args)))
+
+
+def _chosen(node: Node, where: Node, nodes: list[Node], act_shape: tuple, shape: tuple) -> Rows:
+    """Rows chosen per token between two rows per sample, ``torch.where(choice, first, second)`` with a boolean
+    ``choice`` per token (``[B, T, 1]`` or ``[B, T]``), as Qwen-Image's ``zero_cond_t`` picks its modulation."""
+    choice, first, second = where.args
+    expect(all(isinstance(v, Node) for v in (choice, first, second)), "rows chosen between a row and a constant")
+    expect(len(act_shape) == 3 and len(shape) == 3, "rows chosen per token of activations other than [B, T, H]")
+    expect(dtype_of(choice) == torch.bool and shape_of(choice) is not None, "the rows are chosen by a non-boolean")
+    choice_shape = tuple(shape_of(choice))
+    expect(len(choice_shape) in (2, 3) and same_shape(choice_shape[:2], act_shape[:2]) and (
+        len(choice_shape) == 2 or same_size(choice_shape[2], 1)),
+        f"the rows are chosen by a {choice_shape} condition, not one per token of {tuple(act_shape[:2])}")
+    a, b = (match_rows(v, act_shape) for v in (first, second))
+    for r in (a, b):
+        expect(not r.gathered and r.choice is None and len(r.shape) == 3 and same_size(r.shape[0], act_shape[0])
+               and same_size(r.shape[1], 1), f"{describe(r.source)}: rows chosen per token between rows that are "
+                                             "not one per sample")
+    dtype = dtype_of(a.source)
+    expect(dtype_of(b.source) == dtype and dtype_of(first) == dtype_of(second), "the two rows differ in dtype")
+    return Rows(node, a.source, None, a.shape, dtype in LOW_PRECISION and dtype_of(node) == f32,
+                nodes + a.nodes + b.nodes, choice, b.source, b.shape)
 
 
 def _gathered(node: Node, gather: Node, nodes: list[Node]) -> Rows:
@@ -412,6 +455,8 @@ def check_site(outputs: list[Node], tables: list[Rows], act_node: Node, interior
     broadcasts over leading dims of the activations (``index_broadcast``)."""
     hidden = shape_of(act_node)[-1]
     expect(len({rows.gathered for rows in tables}) == 1, "some of its rows are gathered by an index and others not")
+    expect(all(same_value(rows.choice, tables[0].choice) for rows in tables),
+           "its rows are chosen per token by different conditions, or some chosen and others not")
     device = device_of(act_node)
     expect(device is not None and device.type in DEVICES, f"the activations are on {device}, not CUDA or the CPU")
     broadcast = False
@@ -514,6 +559,8 @@ class Site:
 
     def without_fused_backward(self) -> str | None:
         """What of this site the fused backward does not cover yet (``kernels.autograd``), or None."""
+        if self.inputs.get("choice") is not None:
+            return "modulation rows chosen per token between two (`torch.where`)"
         if not self.gathered:
             return "modulation rows given without an index (per sample or per token)"
         if self.norm != "rms":
@@ -537,7 +584,18 @@ def _rows_interior(tables: list[Rows]) -> list[Node]:
 
 
 def _row_shapes(**tables: Rows) -> dict[str, tuple]:
-    return {name: rows.shape for name, rows in tables.items() if not rows.gathered}
+    return {name: rows.shape for name, rows in tables.items() if not rows.gathered} | {
+        f"{name}_second": rows.second_shape for name, rows in tables.items() if rows.choice is not None}
+
+
+def _row_inputs(**tables: Rows) -> dict[str, Node | None]:
+    """The inputs the rows of a site add to its op's: each table's source (and where the rows are chosen per token,
+    the second rows and the condition, ``choice``), and the index."""
+    inputs = {name: rows.source for name, rows in tables.items()}
+    first = next(iter(tables.values()))
+    if first.choice is not None:
+        inputs |= {f"{name}_second": rows.second for name, rows in tables.items()} | {"choice": first.choice}
+    return inputs | {"index": first.index}
 
 
 def norm_modulate_site(y: Node) -> Site:
@@ -555,8 +613,8 @@ def norm_modulate_site(y: Node) -> Site:
     interior = aff.nodes + norm.nodes + _rows_interior(tables)
     interior = [n for n in interior if n is not y]
     broadcast = check_site([y], tables, norm.x, interior)
-    return Site(SiteKind.NORM_MODULATE, [y], dict(x=norm.x, weight=norm.weight, shift=aff.shift.source,
-                                                  scale=aff.scale.source, index=aff.scale.index),
+    return Site(SiteKind.NORM_MODULATE, [y], dict(x=norm.x, weight=norm.weight,
+                                                  **_row_inputs(shift=aff.shift, scale=aff.scale)),
                 norm.eps, norm.rounds_before_weight, upcast, interior, broadcast, norm.kind, norm.in_fp32,
                 _row_shapes(shift=aff.shift, scale=aff.scale))
 
@@ -567,8 +625,8 @@ def gate_residual_site(u: Node) -> Site:
     upcast = _upcast([gated.gate], gated.product) if gated.product != act else False
     interior = [n for n in gated.nodes + _rows_interior([gated.gate]) if n is not u]
     broadcast = check_site([u], [gated.gate], u, interior)
-    return Site(SiteKind.GATE_RESIDUAL, [u], dict(residual=gated.residual, gate=gated.gate.source,
-                                                  branch=gated.branch, index=gated.gate.index),
+    return Site(SiteKind.GATE_RESIDUAL, [u], dict(residual=gated.residual, branch=gated.branch,
+                                                  **_row_inputs(gate=gated.gate)),
                 0.0, False, upcast, interior, broadcast, row_shapes=_row_shapes(gate=gated.gate))
 
 
@@ -577,13 +635,14 @@ def merge_gate_and_norm(c: Site, a: Site) -> Site:
     u = c.outputs[0]
     expect(a.inputs["x"] is u, "the norm input is not this gated residual")
     expect(a.inputs["index"] is c.inputs["index"], "the gate and the modulation use different index tensors")
+    expect(same_value(a.inputs.get("choice"), c.inputs.get("choice")),
+           "the gate and the modulation are chosen per token by different conditions, or one of them is not")
     expect(a.upcast_tables == c.upcast_tables, "the gate and the modulation tables differ in upcasting")
     if c.gathered:
         expect(same_size(shape_of(c.inputs["gate"])[0], shape_of(a.inputs["shift"])[0]),
                "gate and modulation tables differ in K")
-    inputs = dict(residual=c.inputs["residual"], gate=c.inputs["gate"], branch=c.inputs["branch"],
-                  weight=a.inputs["weight"], shift=a.inputs["shift"], scale=a.inputs["scale"],
-                  index=c.inputs["index"])
+    # one index and one condition (checked above): the gate's, which is computed before the residual it gates
+    inputs = c.inputs | {k: v for k, v in a.inputs.items() if k not in ("x", "choice")}
     interior = c.interior + a.interior
     check_interior(interior, set(interior) | {u, a.outputs[0]})
     return Site(SiteKind.GATE_NORM_MODULATE, [u, a.outputs[0]], inputs, a.eps, a.norm_rounds_before_weight,

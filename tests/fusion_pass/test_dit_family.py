@@ -21,6 +21,7 @@ WHOLE = {  # site A, site B, site C
     "wan_ti2v": (3, 2, 2),  # the same, the rows per token
     "hunyuan_video": (4, 2, 5),  # as Flux, plus the token refiner's 2 gate-only residuals
     "qwen_image": (7, 1, 5),  # 2 blocks x 2 streams; the residual is used before the next rows are computed
+    "qwen_image_edit": (8, 0, 6),  # zero_cond_t: the image's rows chosen per token; norm_out's rows are not
     "ltx_video": (4, 1, 3),  # 2 blocks x (A, C, [cross-attention], A, C); the last C + norm_out's A -> B
     "sd3": (2, 6, 0),  # 2 joint blocks (the last, context_pre_only, modulates the context once)
 }
@@ -30,6 +31,7 @@ REGIONAL = {
     "wan_ti2v": (2, 0, 2),
     "hunyuan_video": (4, 1, 6),
     "qwen_image": (4, 0, 4),
+    "qwen_image_edit": (4, 0, 4),
     "ltx_video": (2, 0, 2),
     "sd3": (4, 3, 3),
 }
@@ -60,7 +62,8 @@ def test_the_fp32_policy_fuses_the_same_sites_within_its_bound(name):
 
 @pytest.mark.usefixtures("fresh_compile")
 @pytest.mark.parametrize("form", [FamilyForm("layer", "per_sample", True), FamilyForm("layer", "per_token", True),
-                                  FamilyForm("diffusers_rms", "per_token"), FamilyForm("rms", "one_for_all")],
+                                  FamilyForm("diffusers_rms", "per_token"), FamilyForm("rms", "one_for_all"),
+                                  FamilyForm("rms", "chosen")],
                          ids=lambda f: f"{f.norm}-{f.source}{'-fp32' if f.in_fp32 else ''}")
 def test_each_site_of_the_benchmarks_forms_is_one_fused_site(form):
     """The sites ``benchmarks/bench_family.py`` times (``h3_fused.kernels.testing``'s family forms, rows chunked from

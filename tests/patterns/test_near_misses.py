@@ -173,3 +173,41 @@ def test_an_rms_norm_without_weight_whose_mean_is_written_out_takes_the_reductio
     rounding = rounding_for("bf16", bf16, None, bf16, norm_rounds_before_weight=site.norm_rounds_before_weight,
                             upcast_tables=False)
     assert rounding.norm_sum_order is SumOrder.MEAN
+
+
+def chosen_rows(rows: torch.Tensor, choice: torch.Tensor) -> torch.Tensor:
+    """Rows chosen per token between the two halves of ``rows`` (``[2B, H]``), as Qwen-Image's ``zero_cond_t``."""
+    samples = rows.shape[0] // 2
+    return torch.where(choice, rows[:samples, None], rows[samples:, None])
+
+
+def chosen_site(choice_of_scale, choice_of_shift):
+    def site(x, emb, index):
+        shift, scale = emb.chunk(2, -1)
+        n = F.layer_norm(x, (H,), eps=1e-6)
+        return n * (1 + chosen_rows(scale, choice_of_scale(index))) + chosen_rows(shift, choice_of_shift(index))
+    return site
+
+
+PER_TOKEN = lambda index: index[..., None] == 0  # noqa: E731
+
+
+@pytest.mark.parametrize("choice", [PER_TOKEN, lambda index: index[:, :1, None] == 0], ids=["per token", "per sample"])
+def test_rows_chosen_between_two_fuse(choice):
+    """Rows chosen per token by ``torch.where`` between two rows per sample, gathered from the two; a choice per
+    sample makes rows per sample, taken as they are: one fused site, computing eager's output."""
+    x, emb = torch.randn(2, 12, H).to(bf16), torch.randn(4, 2 * H).to(bf16)
+    index = (torch.arange(12) >= 5).int().expand(2, 12).contiguous()
+    site = chosen_site(choice, choice)  # the condition written once per row group, as Qwen-Image writes it
+    got = torch.compile(site, backend="h3_fused", options={"dtype_policy": "bf16"})(x, emb, index)
+    assert sites_fused() == 1 and counters["h3_fused"]["refused"] == 0
+    assert_bf16_policy(got, site(x, emb, index))
+
+
+def test_rows_chosen_by_another_condition_are_refused_with_the_reason(h3_fused_log):
+    x, emb = torch.randn(2, 12, H).to(bf16), torch.randn(4, 2 * H).to(bf16)
+    index = (torch.arange(12) >= 5).int().expand(2, 12).contiguous()
+    torch.compile(chosen_site(PER_TOKEN, lambda index: index[..., None] == 1), backend="h3_fused",
+                  options={"dtype_policy": "bf16"})(x, emb, index)
+    assert sites_fused() == 0 and counters["h3_fused"]["refused"] == 1
+    assert any("its rows are chosen per token by different conditions" in r.getMessage() for r in h3_fused_log)
