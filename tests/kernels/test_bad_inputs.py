@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from h3_fused.kernels import norm_modulate
+from h3_fused.kernels import gate_norm_modulate, norm_modulate
 from h3_fused.kernels.testing import eager_site, fused_site, make_inputs
 
 bf16 = torch.bfloat16
@@ -56,6 +56,45 @@ def test_bad_input_is_refused_with_the_argument_named(name, device):
         pytest.skip("a device-side assertion: tests/kernels/test_ops_gpu.py runs it in a process of its own")
     with pytest.raises(error, match=message):
         fused_site(site, "bf16")(**inputs(device, site, **over))
+
+
+def given(device, x_shape=(2, 8, 64), **rows):
+    """Site B's arguments with modulation rows given without an index: ``[B, 1, H]`` rows unless ``rows`` says."""
+    g = torch.Generator(device=device).manual_seed(0)
+    residual, branch = (torch.randn(*x_shape, generator=g, device=device).to(bf16) for _ in range(2))
+    shape = (x_shape[0], 1, x_shape[-1])
+    t = {k: torch.randn(rows.get(k, shape), generator=g, device=device).to(bf16) for k in ("gate", "shift", "scale")}
+    return dict(residual=residual, branch=branch, weight=None, index=None, **t)
+
+
+GIVEN_REFUSED = {  # name: (rows' shapes and dtypes, error, message)
+    "rows of another width": (dict(shift=(2, 1, 32)), ValueError, r"shift must be rows of H=64 that broadcast"),
+    "rows of another sample count": (dict(scale=(3, 1, 64)), ValueError, r"scale must be rows of H=64"),
+    "rows per token of another token count": (dict(gate=(2, 5, 64)), ValueError, r"gate must be rows of H=64"),
+    "rows of more dims than the activations": (dict(shift=(1, 2, 1, 64)), ValueError, r"shift must be rows of H=64"),
+    "a scalar row": (dict(scale=()), ValueError, r"scale must be rows of H=64"),
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", list(GIVEN_REFUSED))
+def test_bad_given_rows_are_refused_with_the_argument_named(name, device):
+    shapes, error, message = GIVEN_REFUSED[name]
+    t = given(device, **shapes)
+    with pytest.raises(error, match=message):
+        gate_norm_modulate(t["residual"], t["gate"], t["branch"], None, t["shift"], t["scale"], None, policy="bf16",
+                           norm="layer")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_given_rows_of_two_dtypes_and_an_unknown_norm_are_refused(device):
+    t = given(device)
+    with pytest.raises(TypeError, match="shift and scale must share a dtype"):
+        gate_norm_modulate(t["residual"], t["gate"], t["branch"], None, t["shift"].float(), t["scale"], None,
+                           policy="bf16")
+    with pytest.raises(ValueError, match=r"norm must be one of \('rms', 'layer'\), got 'group'"):
+        gate_norm_modulate(t["residual"], t["gate"], t["branch"], None, t["shift"], t["scale"], None,
+                           policy="bf16", norm="group")
 
 
 def test_unknown_policy_is_refused():
