@@ -3,8 +3,10 @@ feeds a site A merged with it into one B-shaped site."""
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 
+import torch
 from torch.fx import Graph, Node
 
 from .graph_view import NoMatch, expect, source_of
@@ -19,17 +21,45 @@ from .sites import (
 
 NORM_CANDIDATE = "a norm followed by `* (1 + scale[idx]) + shift[idx]` (site A)"
 GATE_CANDIDATE = "a gated residual `res + gate[idx] * branch` (site C)"
+aten = torch.ops.aten
+
+
+# cheap operations without side effects that a merged site's late inputs may be moved up through: views of the
+# modulation rows and a choice's condition
+HOISTABLE = (aten.slice.Tensor, aten.select.int, aten.unsqueeze.default, aten.view.default, aten.reshape.default,
+             aten.expand.default, aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int, aten.eq.Scalar,
+             aten.ne.Scalar, operator.getitem)
+
+
+def _hoistable(node: Node, limit: int, position: dict[Node, int], chain: list[Node]) -> bool:
+    """Whether ``node`` comes before position ``limit``, or can be moved there: a ``HOISTABLE`` operation whose
+    inputs come before it or can be moved too (``chain`` gathers those to move, each after its inputs)."""
+    if position[node] < limit or node in chain:
+        return True
+    if node.op != "call_function" or node.target not in HOISTABLE:
+        return False
+    if not all(_hoistable(arg, limit, position, chain) for arg in node.all_input_nodes):
+        return False
+    chain.append(node)
+    return True
 
 
 def _ready_before_use(site: Site, position: dict[Node, int]) -> None:
     """A merged site computes both outputs at once, so every input must come before the first use of either
-    output outside it (a model that computes the next norm's modulation rows after using the residual, as
-    Qwen-Image does, keeps its gated residual and its norm as two sites)."""
+    output outside it. A late input that is a view of rows computed before that use (a slice of a chunk, as a
+    model writes ``rows[:B]`` where it uses them) is moved up before it; a model that computes the next norm's
+    modulation rows after using the residual keeps its gated residual and its norm as two sites."""
     inside = set(site.interior) | set(site.outputs)
-    last_input = max(position[n] for n in site.inputs.values() if n is not None)
-    first_use = min((position[u] for out in site.outputs for u in out.users if u not in inside), default=None)
-    expect(first_use is None or first_use > last_input,
+    users = [u for out in site.outputs for u in out.users if u not in inside]
+    if not users:
+        return
+    first_use = min(users, key=position.__getitem__)
+    chain: list[Node] = []
+    expect(all(_hoistable(n, position[first_use], position, chain) for n in site.inputs.values() if n is not None),
            "the residual is used before the norm's modulation rows are computed")
+    for k, node in enumerate(chain):  # each after its inputs, all before the first use
+        first_use.prepend(node)
+        position[node] = position[first_use] - 1 + (k + 1) / (len(chain) + 1)
 
 
 def find_sites(graph: Graph, refuse: Callable[[Node, NoMatch, str], None], note=lambda message: None) -> list[Site]:

@@ -20,8 +20,8 @@ WHOLE = {  # site A, site B, site C
     "wan": (3, 2, 2),  # 2 blocks x (A norm1, C, A norm3, C); C + the next A -> B (block 1's norm1, norm_out)
     "wan_ti2v": (3, 2, 2),  # the same, the rows per token
     "hunyuan_video": (4, 2, 5),  # as Flux, plus the token refiner's 2 gate-only residuals
-    "qwen_image": (7, 1, 5),  # 2 blocks x 2 streams; the residual is used before the next rows are computed
-    "qwen_image_edit": (8, 0, 6),  # zero_cond_t: the image's rows chosen per token; norm_out's rows are not
+    "qwen_image": (2, 6, 0),  # 2 blocks x 2 streams: each residual with the next norm (its rows' views moved up)
+    "qwen_image_edit": (3, 5, 1),  # zero_cond_t: the image's rows chosen per token, norm_out's not: C and A apart
     "ltx_video": (4, 1, 3),  # 2 blocks x (A, C, [cross-attention], A, C); the last C + norm_out's A -> B
     "sd3": (2, 6, 0),  # 2 joint blocks (the last, context_pre_only, modulates the context once)
 }
@@ -30,8 +30,8 @@ REGIONAL = {
     "wan": (2, 0, 2),
     "wan_ti2v": (2, 0, 2),
     "hunyuan_video": (4, 1, 6),
-    "qwen_image": (4, 0, 4),
-    "qwen_image_edit": (4, 0, 4),
+    "qwen_image": (2, 2, 2),
+    "qwen_image_edit": (2, 2, 2),
     "ltx_video": (2, 0, 2),
     "sd3": (4, 3, 3),
 }
