@@ -148,10 +148,12 @@ def test_activation_checkpointing_keeps_working_and_saves_less():
 
 def test_a_no_grad_region_inside_the_model_stays_without_gradient():
     """The trace before autograd records grad-mode switches: what the model computes under ``torch.no_grad()``
-    still gets no gradient."""
-    weight = torch.nn.Parameter((1 + 0.1 * torch.randn(64)).to(bf16))
-    tables = (0.3 * torch.randn(6, 128)).to(bf16).chunk(2, -1)
-    idx = torch.randint(0, 6, (16,))
+    still gets no gradient (a gradient through ``x * 2`` would triple ``x``'s; the norm's backward may differ
+    from eager's in a last place, its fp32 sum in its own order)."""
+    g = torch.Generator().manual_seed(0)
+    weight = torch.nn.Parameter((1 + 0.1 * torch.randn(64, generator=g)).to(bf16))
+    tables = (0.3 * torch.randn(6, 128, generator=g)).to(bf16).chunk(2, -1)
+    idx = torch.randint(0, 6, (16,), generator=g)
 
     def fn(x):
         with torch.no_grad():
@@ -159,13 +161,14 @@ def test_a_no_grad_region_inside_the_model_stays_without_gradient():
         n = F.rms_norm(x + detached, (64,), weight, 1e-5)
         return n * (1 + tables[1][idx]) + tables[0][idx]
 
-    x = torch.randn(16, 64).to(bf16).requires_grad_()
+    x = torch.randn(16, 64, generator=g).to(bf16).requires_grad_()
     loss_of(fn(x)).backward()
     expected = x.grad.clone()
     x.grad = None
     loss_of(torch.compile(fn, backend="h3_fused", options={"dtype_policy": "bf16"})(x)).backward()
     assert counters["h3_fused"]["norm_modulate"] == 1
-    assert torch.equal(x.grad, expected)
+    assert (x.grad != expected).float().mean() <= 0.01
+    torch.testing.assert_close(x.grad, expected, rtol=2 ** -7, atol=2 ** -7 * expected.abs().max().item())
 
 
 def test_rows_broadcast_over_a_batch_get_their_table_gradients_summed_over_the_batch():
