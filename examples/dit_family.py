@@ -166,6 +166,14 @@ MODELS = {
              pos_embed_max_size=16),
         dict(sample_size=128, num_layers=2, attention_head_dim=64, num_attention_heads=24, joint_attention_dim=4096,
              caption_projection_dim=1536, pooled_projection_dim=2048, pos_embed_max_size=192), _sd3_inputs, (16, 4096)),
+    "sd3_5": Family(  # SD3.5's dual-attention blocks: one norm output modulated twice; q/k RMSNorms
+        "SD3Transformer2DModel",
+        dict(sample_size=8, patch_size=2, in_channels=4, num_layers=2, attention_head_dim=16, num_attention_heads=2,
+             joint_attention_dim=32, caption_projection_dim=32, pooled_projection_dim=16, out_channels=4,
+             pos_embed_max_size=16, dual_attention_layers=(0, 1), qk_norm="rms_norm"),
+        dict(sample_size=128, num_layers=2, attention_head_dim=64, num_attention_heads=38, joint_attention_dim=4096,
+             caption_projection_dim=2432, pooled_projection_dim=2048, pos_embed_max_size=192, dual_attention_layers=(0, 1),
+             qk_norm="rms_norm"), _sd3_inputs, (16, 4096)),
 }
 
 

@@ -491,6 +491,9 @@ def broadcasts_to(index_shape, rows) -> bool:
 def check_interior(interior: list[Node], inside: set[Node]) -> None:
     for node in interior:
         outside = [u for u in node.users if u not in inside]
+        if outside and is_op(outside[0], MUL) and any(_one_plus(v) is not None for v in outside[0].args):
+            raise NoMatch(f"the norm's output is modulated twice, also{source_of(outside[0], ' at ')} (as SD3.5's "
+                          "dual-attention blocks do): not fused; a kernel would need both outputs of one norm")
         if outside:
             raise NoMatch(f"an intermediate value ({describe(node)}) is also used elsewhere, by {describe(outside[0])}"
                           f"{source_of(outside[0], ' at ')}",
