@@ -105,6 +105,31 @@ def assert_bf16_policy(got, expected):
         torch.testing.assert_close(got, expected, rtol=0.05, atol=0.02 * expected.abs().max().item())
 
 
+def assert_sites_fuse_within_policy(case, fn, args, expected_sites: int, all_fused: bool, dynamic: bool = False):
+    """The differential tests' check of one drawn ``case`` (its ``policy``): ``fn`` compiled with h3_fused fuses
+    ``expected_sites`` sites; where every site fused under ``bf16`` (and this torch's Inductor reproduces eager on
+    the CPU) its outputs are Inductor's bits with ``emulate_precision_casts`` (which compiles the sites' eager
+    operations); always within a few ulps of eager."""
+    from h3_fused.patterns import SiteKind
+
+    torch._dynamo.reset()
+    counters.clear()
+    with torch.no_grad(), torch._inductor.config.patch(fx_graph_cache=False):
+        eager = fn(*args)
+        got = torch.compile(fn, backend="h3_fused", dynamic=dynamic, options={"dtype_policy": case.policy})(*args)
+        fused = sum(counters["h3_fused"][kind.value] for kind in SiteKind)
+        exact = case.policy != "fp32" and all_fused and inductor_matches_eager_on_cpu()
+        if exact:  # on the CPU Inductor compiles the sites' reference ops (eager's operations)
+            torch._dynamo.reset()
+            inductor = torch.compile(fn, dynamic=dynamic, options={"emulate_precision_casts": True})(*args)
+    assert fused == expected_sites, f"{case}: fused {dict(counters['h3_fused'])}, expected {expected_sites}"
+    for k, (e, o) in enumerate(zip(eager, got)):
+        if exact:
+            assert torch.equal(o, inductor[k]), f"{case}: not Inductor's bits under {case.policy}"
+        scale = e.float().abs().max().item() + 1e-3
+        torch.testing.assert_close(o.float(), e.float(), rtol=2**-6, atol=2**-5 * scale, msg=str(case))
+
+
 H, K, T = 64, 6, 16
 
 

@@ -14,13 +14,11 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from h3_fused.patterns import SiteKind
-from helpers import inductor_matches_eager_on_cpu
+from helpers import assert_sites_fuse_within_policy
 from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 from minimax_h3 import Spellings, modulate_gate, modulate_scale_shift
 from minimax_h3.modulation import make_rms_norm
-from torch._dynamo.utils import counters
 from tqdm import tqdm
 
 EXAMPLES = int(os.environ.get("H3_FUZZ_EXAMPLES", "40"))
@@ -136,20 +134,4 @@ PROGRESS = tqdm(total=EXAMPLES, desc="differential examples", file=sys.__stderr_
 @given(case=cases())
 def test_pass_never_changes_what_the_model_computes_beyond_its_policy(case):
     PROGRESS.update()  # on the terminal's stderr, past pytest's capture: the test runs for minutes
-    fn, args, expected_sites, all_fused = build(case)
-    torch._dynamo.reset()
-    counters.clear()
-    with torch.no_grad(), torch._inductor.config.patch(fx_graph_cache=False):
-        eager = fn(*args)
-        got = torch.compile(fn, backend="h3_fused", dynamic=case.dynamic, options={"dtype_policy": case.policy})(*args)
-        fused = sum(counters["h3_fused"][kind.value] for kind in SiteKind)
-        exact = case.policy != "fp32" and all_fused and inductor_matches_eager_on_cpu()
-        if exact:  # on the CPU Inductor compiles the sites' reference ops (eager's operations)
-            torch._dynamo.reset()
-            inductor = torch.compile(fn, dynamic=case.dynamic, options={"emulate_precision_casts": True})(*args)
-    assert fused == expected_sites, f"{case}: fused {dict(counters['h3_fused'])}, expected {expected_sites}"
-    for k, (e, o) in enumerate(zip(eager, got)):
-        if exact:
-            assert torch.equal(o, inductor[k]), f"{case}: not Inductor's bits under {case.policy}"
-        scale = e.float().abs().max().item() + 1e-3
-        torch.testing.assert_close(o.float(), e.float(), rtol=2**-6, atol=2**-5 * scale, msg=str(case))
+    assert_sites_fuse_within_policy(case, *build(case), dynamic=case.dynamic)
