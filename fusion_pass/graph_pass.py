@@ -2,8 +2,8 @@
 
 Order: find site-A outputs and site-C outputs, merge each C whose stored residual feeds an A into one
 B-shaped site, then replace; under ``bf16``, then put ``h3_fused::eager_rms_norm`` or
-``h3_fused::eager_layer_norm`` (eager's bits) where a norm is left outside the sites. Candidates that fail a check are left untouched and logged with the
-reason. The pass is a ``CustomGraphPass`` whose ``uuid()`` hashes the pattern, kernel and pass sources
+``h3_fused::eager_layer_norm`` (eager's bits) where a norm is left outside the sites. Candidates that fail a
+check are left untouched and logged with the reason. The pass is a ``CustomGraphPass`` whose ``uuid()`` hashes the pattern, kernel and pass sources
 and the options, so the FX graph cache stays on and a change of any of them misses.
 """
 

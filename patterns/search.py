@@ -9,8 +9,9 @@ from collections.abc import Callable
 import torch
 from torch.fx import Graph, Node
 
-from .graph_view import NoMatch, expect, source_of
+from .graph_view import VIEW, NoMatch, expect, source_of
 from .sites import (
+    SPLITS,
     Site,
     gate_residual_site,
     is_affine_candidate,
@@ -26,9 +27,8 @@ aten = torch.ops.aten
 
 # cheap operations without side effects that a merged site's late inputs may be moved up through: views of the
 # modulation rows and a choice's condition
-HOISTABLE = (aten.slice.Tensor, aten.select.int, aten.unsqueeze.default, aten.view.default, aten.reshape.default,
-             aten.expand.default, aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int, aten.eq.Scalar,
-             aten.ne.Scalar, operator.getitem)
+HOISTABLE = VIEW + SPLITS + (aten.slice.Tensor, aten.select.int, aten.expand.default, aten.eq.Scalar, aten.ne.Scalar,
+                             operator.getitem)
 
 
 def _hoistable(node: Node, limit: int, position: dict[Node, int], chain: list[Node]) -> bool:

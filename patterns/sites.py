@@ -69,6 +69,7 @@ f32 = torch.float32
 
 
 SPLITS = (aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int)
+WHERE = (aten.where.self,)
 
 
 @dataclass
@@ -132,18 +133,15 @@ def match_rows(node: object, act_shape: tuple, shape: tuple | None = None) -> Ro
     return Rows(node, top, None, shape, dtype in LOW_PRECISION and dtype_of(node) == f32, nodes)
 
 
-WHERE = (aten.where.self,)
-
-
 def same_value(a: object, b: object, depth: int = 4) -> bool:
     """Whether ``a`` and ``b`` are one value: the same node, or the same operation of the same values (up to
     ``depth`` operations deep; a model that writes ``index == 0`` once per row group computes one condition)."""
     if a is b:
         return True
-    if not (isinstance(a, Node) and isinstance(b, Node)) or depth == 0:
-        return a == b if not isinstance(a, Node) and not isinstance(b, Node) else False
-    return (a.op == b.op == "call_function" and a.target == b.target and a.kwargs == b.kwargs
-            and len(a.args) == len(b.args) and all(same_value(x, y, depth - 1) for x, y in zip(a.args, b.args)))
+    if isinstance(a, Node) and isinstance(b, Node):
+        return depth > 0 and a.op == b.op == "call_function" and a.target == b.target and a.kwargs == b.kwargs and \
+            len(a.args) == len(b.args) and all(same_value(x, y, depth - 1) for x, y in zip(a.args, b.args))
+    return not isinstance(a, Node) and not isinstance(b, Node) and a == b
 
 
 def _chosen(node: Node, where: Node, nodes: list[Node], act_shape: tuple, shape: tuple) -> Rows:
@@ -188,22 +186,13 @@ def _gathered(node: Node, gather: Node, nodes: list[Node]) -> Rows:
     return Rows(node, table_src, index_src, None, upcast, nodes)
 
 
-def _is_rows(node: object, act_shape: tuple) -> bool:
-    try:
-        match_rows(node, act_shape)
-        return True
-    except NoMatch:
-        return False
-
-
 @dataclass
 class Norm:
     """A norm over the last dim of ``x``: ``kind`` ``"rms"`` (``nn.RMSNorm`` / ``F.rms_norm``, one rounding; the
     native spelling, ``rounds_before_weight``: the mean of the squares written out, which on CUDA torch's generic
     reduction computes, and the normalized row rounded before the weight, as diffusers' ``RMSNorm`` also does) or
-    ``"layer"``
-    (``nn.LayerNorm`` / ``F.layer_norm``, one rounding), with or without weight (and a LayerNorm's bias);
-    ``in_fp32``: computed on ``x`` upcast to fp32 and its output left in fp32 (no rounding)."""
+    ``"layer"`` (``nn.LayerNorm`` / ``F.layer_norm``, one rounding), with or without weight (and a LayerNorm's
+    bias); ``in_fp32``: computed on ``x`` upcast to fp32 and its output left in fp32 (no rounding)."""
 
     x: Node
     weight: Node | None
@@ -423,9 +412,12 @@ def match_gated(u: object) -> Gated:
     def gate_rank(v) -> int:
         """How surely ``v`` is the gate's rows: 3 gathered, 2 one of a group of modulation rows (a split, chunk or
         unbind), 1 rows by their shape alone (broadcast over tokens), 0 not rows."""
-        if not (isinstance(v, Node) and _is_rows(v, act_shape)):
+        if not isinstance(v, Node):
             return 0
-        rows = match_rows(v, act_shape)
+        try:
+            rows = match_rows(v, act_shape)
+        except NoMatch:
+            return 0
         return 3 if rows.gathered else 2 if _is_split_member(rows.source) else 1
 
     def gated_product(v):
