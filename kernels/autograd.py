@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import inspect
 
-from .backward import GRADIENTS, SavedSite, modulation_backward
+from .backward import GRADIENTS, SavedSite, mixed_row_shapes, modulation_backward
 from .ops import PublicOp, gate_norm_modulate, gate_residual, norm_modulate
 
 
@@ -30,14 +30,16 @@ def register(public: PublicOp) -> None:
         named = dict(zip(input_names, inputs))
         result = dict(zip(outputs, output if isinstance(output, tuple) else (output,)))
         normalized = named.get("x", result.get("u")) if "scale" in named else None
+        flags = {k: keyword_only_inputs[k] for k in ("norm_rounds_before_weight", "norm", "norm_in_fp32")
+                 if k in keyword_only_inputs}  # site C takes no norm's flags
         saved = SavedSite(normalized, named.get("branch"), named.get("gate"), named.get("weight"), named.get("shift"),
                           named.get("scale"), named["index"], eps=keyword_only_inputs.get("eps", 0.0),
-                          policy=keyword_only_inputs["policy"],
-                          norm_rounds_before_weight=keyword_only_inputs.get("norm_rounds_before_weight", False),
-                          upcast_tables=keyword_only_inputs["upcast_tables"])  # site C takes no norm's flags
+                          policy=keyword_only_inputs["policy"], upcast_tables=keyword_only_inputs["upcast_tables"],
+                          **{"norm_rounds_before_weight": False, **flags})
         ctx.save_for_backward(*saved.tensors())
         ctx.flags = saved.flags()
-        ctx.unsupported = _without_backward(named["index"], keyword_only_inputs)
+        lead = named.get("x", named.get("residual"))
+        ctx.unsupported = None if saved.index is not None else mixed_row_shapes(saved.tables(), lead.dim())
 
     def backward(ctx, *grads):
         if ctx.unsupported:
@@ -52,26 +54,21 @@ def register(public: PublicOp) -> None:
         result = {}
         if any(needs):
             saved = SavedSite.of(ctx.saved_tensors, ctx.flags)
+            given = saved.tables() if saved.index is None else {}
+            if given:  # rows given per sample, per token or one for all: as tables gathered by an index
+                lead = saved.u if saved.u is not None else incoming["u"]
+                saved = saved.gathered(lead.shape)
             result = dict(zip(GRADIENTS, modulation_backward(*saved.tensors(), incoming.get("y"), incoming.get("u"),
                                                              **saved.flags(), needs=needs)))
+            for name, rows in given.items():  # each table's gradient, [K, H], in its rows' shape
+                if result[name].numel():
+                    result[name] = result[name].view(rows.shape)
         if passes_through:
             result["lead"] = incoming["u"]
         return tuple(result[_gradient_name(name)] if name != "index" and wanted[_gradient_name(name)] else None
                      for name in input_names)
 
     public.op.register_autograd(backward, setup_context=setup_context)
-
-
-def _without_backward(index, keyword_only_inputs) -> str | None:
-    """What of a forward call the fused backward does not cover yet, or None: modulation rows given without an
-    index, a LayerNorm, a norm in fp32 (the pass refuses these forms in graphs that compute gradients)."""
-    if index is None:
-        return "modulation rows given without an index (per sample or per token)"
-    if keyword_only_inputs.get("norm", "rms") != "rms":
-        return "a LayerNorm"
-    if keyword_only_inputs.get("norm_in_fp32", False):
-        return "a norm computed in fp32"
-    return None
 
 
 def _no_double_backward(ctx, inputs, keyword_only_inputs, output):

@@ -11,6 +11,8 @@ fp64) it calls ``h3_fused::reference_modulation_backward``, a custom op whose bo
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass, fields
 
 import torch
@@ -40,11 +42,14 @@ class SavedSite:
     weight: Tensor | None
     shift: Tensor | None
     scale: Tensor | None
-    index: Tensor
+    index: Tensor | None  # None where the rows were given (per sample, per token, one for all): ``gathered``
     eps: float
     policy: str
     norm_rounds_before_weight: bool
     upcast_tables: bool
+    norm: str = "rms"
+    norm_in_fp32: bool = False
+    ordered_index: bool = False  # the index is nondecreasing (``gathered``'s, of given rows)
 
     TENSORS = 7  # the fields before the flags, which ``save_for_backward`` keeps
 
@@ -62,7 +67,27 @@ class SavedSite:
 
     def flags(self) -> dict:
         return dict(eps=self.eps, policy=self.policy, norm_rounds_before_weight=self.norm_rounds_before_weight,
-                    upcast_tables=self.upcast_tables)
+                    upcast_tables=self.upcast_tables, norm=self.norm, norm_in_fp32=self.norm_in_fp32,
+                    ordered_index=self.ordered_index)
+
+    def tables(self) -> dict[str, Tensor]:
+        return {name: t for name in ("gate", "shift", "scale") if (t := getattr(self, name)) is not None}
+
+    def gathered(self, shape: torch.Size) -> SavedSite:
+        """The site with rows given as rows that broadcast to the activations of ``shape`` restated as tables
+        ``[K, H]`` (``K`` rows: the given rows' count) gathered by an index, one table row per activation row;
+        the index is nondecreasing (``ordered_index``) where the rows vary only along a run of leading dims
+        (per sample, per token, one for all). The tables must broadcast alike (``mixed_row_shapes`` says
+        where they do not); their gradients come back ``[K, H]``: viewed as the rows' shape they are theirs."""
+        tables = self.tables()
+        first = next(iter(tables.values()))
+        rows, lead = row_dims(first, len(shape)), tuple(shape[:-1])
+        keys = math.prod(rows)
+        index_dtype = torch.int32 if keys <= torch.iinfo(torch.int32).max else torch.int64
+        index = torch.arange(keys, dtype=index_dtype, device=first.device).view(rows).expand(lead)
+        ordered = any(rows == (*lead[:j], *(1,) * (len(lead) - j)) for j in range(len(lead) + 1))
+        flat = {name: t.reshape(keys, shape[-1]) for name, t in tables.items()}
+        return dataclasses.replace(self, **flat, index=index, ordered_index=ordered)
 
     def forward_args(self, du: Tensor | None) -> ModulationArgs:
         """The forward's checked arguments (site C has no ``u``: ``du``, the residual's gradient, stands for the
@@ -72,10 +97,26 @@ class SavedSite:
             return check_args(residual=du, gate=self.gate, branch=self.branch, index=self.index, **flags,
                               has_norm=False)
         norm = dict(weight=self.weight, shift=self.shift, scale=self.scale, index=self.index, eps=self.eps,
-                    norm_rounds_before_weight=self.norm_rounds_before_weight, **flags)
+                    norm_rounds_before_weight=self.norm_rounds_before_weight, norm=self.norm,
+                    norm_in_fp32=self.norm_in_fp32, **flags)
         if self.gate is None:
             return check_args(x=self.u, **norm, has_norm=True)
         return check_args(residual=self.u, gate=self.gate, branch=self.branch, **norm, has_norm=True)
+
+
+def row_dims(rows: Tensor, rank: int) -> tuple[int, ...]:
+    """The leading dims of modulation rows that broadcast to activations of ``rank`` dims, padded to ``rank - 1``."""
+    return (1,) * (rank - rows.dim()) + tuple(rows.shape[:-1])
+
+
+def mixed_row_shapes(tables: dict[str, Tensor | None], rank: int) -> str | None:
+    """Where given modulation rows broadcast differently (``SavedSite.gathered`` takes one index for all), what
+    differs; else None."""
+    shapes = {name: row_dims(t, rank) for name, t in tables.items() if t is not None}
+    if len(set(shapes.values())) > 1:
+        return "modulation rows of different shapes (" + ", ".join(
+            f"{name} {list(dims)}" for name, dims in shapes.items()) + ")"
+    return None
 
 
 def rows_of(t: Tensor | None, a: ModulationArgs, name: str) -> Tensor | None:
@@ -98,11 +139,12 @@ def _outputs(a: ModulationArgs, grads: dict) -> tuple[Tensor, ...]:
 def reference_modulation_backward(
     u: Tensor | None, branch: Tensor | None, gate: Tensor | None, weight: Tensor | None, shift: Tensor | None,
     scale: Tensor | None, index: Tensor, dy: Tensor | None, du: Tensor | None, eps: float, policy: str,
-    norm_rounds_before_weight: bool, upcast_tables: bool, needs: list[bool],
+    norm_rounds_before_weight: bool, upcast_tables: bool, norm: str, norm_in_fp32: bool, ordered_index: bool,
+    needs: list[bool],
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``modulation_backward`` by the pure-torch reference (``reference.reference_backward``)."""
     saved = SavedSite(u, branch, gate, weight, shift, scale, index, eps, policy, norm_rounds_before_weight,
-                      upcast_tables)
+                      upcast_tables, norm, norm_in_fp32, ordered_index)
     a = saved.forward_args(du)
     check_index_on_host(a.index, a.num_table_rows)
     grads = reference_backward(a, rows_of(u, a, "u"), rows_of(dy, a, "dy"), rows_of(du, a, "du"), Needs(*needs))
@@ -111,7 +153,7 @@ def reference_modulation_backward(
 
 @reference_modulation_backward.register_fake
 def _(u, branch, gate, weight, shift, scale, index, dy, du, eps, policy, norm_rounds_before_weight, upcast_tables,
-      needs):
+      norm, norm_in_fp32, ordered_index, needs):
     lead = u if u is not None else du
     wanted = dict(zip(GRADIENTS, needs))
     like = dict(lead=lead, branch=lead, gate=gate, weight=weight, shift=shift, scale=scale)
@@ -123,13 +165,14 @@ def _(u, branch, gate, weight, shift, scale, index, dy, du, eps, policy, norm_ro
 def _backward_body(
     u: Tensor | None, branch: Tensor | None, gate: Tensor | None, weight: Tensor | None, shift: Tensor | None,
     scale: Tensor | None, index: Tensor, dy: Tensor | None, du: Tensor | None, *, eps: float, policy: str,
-    norm_rounds_before_weight: bool, upcast_tables: bool, needs: list[bool],
+    norm_rounds_before_weight: bool, upcast_tables: bool, norm: str = "rms", norm_in_fp32: bool = False,
+    ordered_index: bool = False, needs: list[bool],
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The gradients ``needs`` asks for (in ``GRADIENTS`` order) of the site whose ``SavedSite`` these fields
     are; ``dy``, ``du``: the gradients of the site's outputs ``y`` and ``u``. A gradient not asked for is an
     empty tensor."""
     saved = SavedSite(u, branch, gate, weight, shift, scale, index, eps, policy, norm_rounds_before_weight,
-                      upcast_tables)
+                      upcast_tables, norm, norm_in_fp32, ordered_index)
     a = saved.forward_args(du)
     if a.rows == 0 or a.hidden == 0 or not triton_allowed(a.device, a.dtype):
         return torch.ops.h3_fused.reference_modulation_backward(*saved.tensors(), dy, du, **saved.flags(),
@@ -138,7 +181,7 @@ def _backward_body(
         check_index_on_host(a.index, a.num_table_rows)
     with launch_context(a.device, (*saved.values(), dy, du, needs)) as wrap:
         grads = launch_backward(a, rows_of(u, a, "u"), rows_of(dy, a, "dy"), rows_of(du, a, "du"), Needs(*needs),
-                                wrap)
+                                wrap, ordered_index=ordered_index)
     return _outputs(a, grads)
 
 

@@ -5,16 +5,20 @@ Per row ``t`` (``i = index[t]``, fp32 unless said, ``R`` = round to the activati
 ``ROUND_NORM``; the forward's ``u`` is read back: ``x`` at site A, the stored residual at site B):
 
     r     = rsqrt(sum(u*u) / H + eps)                 xhat = u * r
+            (LAYER_NORM: m = sum(u) / H, r = rsqrt(sum((u-m)^2) / H + eps), xhat = (u - m) * r)
     p     = 1 + scale[i]                              (R if ROUND_AFFINE: the forward's p)
     dn    = dy * p                                    (R if ROUND_NORM)
     dxhat = dn * w                                    (R if ROUND_NORM_BEFORE_WEIGHT; dn without a weight)
-    du_n  = r * (dxhat - xhat * sum(dxhat * xhat) / H)   (R if ROUND_NORM)
-    du_t  = du + du_n (site B; R if ROUND_NORM), du_n (site A), du (site C)
+    du_n  = r * (dxhat - xhat * sum(dxhat * xhat) / H)   (R if ROUND_INPUT_GRADIENT)
+            (LAYER_NORM: r * (dxhat - sum(dxhat) / H - xhat * sum(dxhat * xhat) / H))
+    du_t  = du + du_n (site B; R if ROUND_INPUT_GRADIENT), du_n (site A), du (site C)
     dx = du_t (site A) or dresidual = du_t (sites B, C);  dbranch = R(du_t * gate[i])    -> stored
 
 and the sums over rows, in fp32: ``dshift[i] += dy``, ``dscale[i] += dy * n`` (``n`` the forward's normalized
-row), ``dgate[i] += du_t * branch``, ``dw += dn * xhat`` (``* R(xhat)`` where ``ROUND_NORM_BEFORE_WEIGHT``).
-``contract.Rounding`` states the same contract; the ``NEED_*`` flags leave out what autograd does not ask for.
+row), ``dgate[i] += du_t * branch``, ``dw += dn * xhat`` (``* R(xhat)`` where ``ROUND_NORM_BEFORE_WEIGHT``);
+Kahan-compensated where the gradient is fp32 (``COMPENSATE_TABLES``, ``COMPENSATE_W``), whose one rounding would
+not hide an fp32 sum's own error. ``contract.Rounding`` states the same contract; the ``NEED_*`` flags leave out
+what autograd does not ask for.
 
 Each program runs through ``rows_per_program`` consecutive rows, one row at a time, the row in registers in
 chunks of ``CHUNK`` columns (``PREFETCH``: the next row's streamed inputs loaded during the row's work;
@@ -23,8 +27,10 @@ chunk uses them; ``EARLY_STREAMS``: ``du`` and ``branch`` loaded at the row's st
 store), and adds each row's contribution to the table and weight gradients into fp32 registers. Where table gradients
 are needed (``SORTED``), the rows are visited in the order of a stable sort of the index (``order``; table
 row ``k``'s rows are sorted positions ``seg[k]`` to ``seg[k + 1] - 1``), so that a program's rows of each
-table row are contiguous: it sums them and writes the sums to slot ``program + k`` of a partial buffer
-(distinct slots: programs and table rows both increase along the sorted order). Without ``SORTED`` a program
+table row are contiguous (``ORDERED_INDEX``: the index is nondecreasing, as for rows given per sample, per
+token or one for all, so the rows' own order is sorted and ``order`` is not read): it sums them and writes the
+sums to slot ``program + k`` of a partial buffer (distinct slots: programs and table rows both increase along
+the sorted order). Without ``SORTED`` a program
 writes one slot, ``program``. ``reduce_partials_kernel`` then sums each table row's slots, and the weight's,
 in program order and rounds once: no atomics, the same bits on every run.
 """
@@ -53,30 +59,46 @@ def _everywhere(flag, lanes):
 
 
 @triton.jit
-def _add_at(acc, c: tl.constexpr, value):
-    """``acc`` with ``value`` added to its chunk ``c``."""
+def _add_at(acc, c: tl.constexpr, value, COMPENSATED: tl.constexpr):
+    """``acc`` with ``value`` added to its chunk ``c``. ``COMPENSATED``: ``acc`` holds the chunks' sums, then their
+    Kahan compensations (``_zeros`` of twice the chunks), and the addition is Kahan's."""
     out = ()
-    for j in tl.static_range(len(acc)):
-        out = out + (acc[j] + value,) if j == c else out + (acc[j],)
+    if COMPENSATED:
+        CHUNKS: tl.constexpr = len(acc) // 2
+        y = value - acc[CHUNKS + c]
+        total = acc[c] + y
+        lost = (total - acc[c]) - y
+        for j in tl.static_range(len(acc)):
+            out = out + (total,) if j == c else out + (lost,) if j == CHUNKS + c else out + (acc[j],)
+    else:
+        for j in tl.static_range(len(acc)):
+            out = out + (acc[j] + value,) if j == c else out + (acc[j],)
     return out
 
 
 @triton.jit
-def _add_product_at(acc, c: tl.constexpr, a, b):
-    """``acc`` with ``a * b`` added to its chunk ``c`` by one FMA."""
-    out = ()
-    for j in tl.static_range(len(acc)):
-        out = out + (tl.fma(a, b, acc[j]),) if j == c else out + (acc[j],)
+def _add_product_at(acc, c: tl.constexpr, a, b, COMPENSATED: tl.constexpr):
+    """``acc`` with ``a * b`` added to its chunk ``c``: by one FMA, or ``COMPENSATED`` (``_add_at``) the fp32
+    product."""
+    if COMPENSATED:
+        out = _add_at(acc, c, a * b, True)
+    else:
+        out = ()
+        for j in tl.static_range(len(acc)):
+            out = out + (tl.fma(a, b, acc[j]),) if j == c else out + (acc[j],)
     return out
 
 
 @triton.jit
-def _flush(acc, part_ptr, slot, write, lanes, CHUNK: tl.constexpr, HIDDEN: tl.constexpr):
-    """Store the row accumulator ``acc`` to slot ``slot`` of a partial buffer where ``write``."""
+def _flush(acc, part_ptr, slot, write, lanes, CHUNK: tl.constexpr, HIDDEN: tl.constexpr, COMPENSATED: tl.constexpr):
+    """Store the row accumulator ``acc`` to slot ``slot`` of a partial buffer where ``write`` (``COMPENSATED``: each
+    chunk's sum less its compensation)."""
     written = _everywhere(write, lanes)
-    for c in tl.static_range(len(acc)):
+    CHUNKS: tl.constexpr = len(acc) // 2 if COMPENSATED else len(acc)
+    for c in tl.static_range(CHUNKS):
         cols = c * CHUNK + lanes
-        tl.store(part_ptr + slot * HIDDEN + cols, acc[c], mask=(cols < HIDDEN) & written)
+        total = acc[c] - acc[CHUNKS + c] if COMPENSATED else acc[c]
+        tl.store(part_ptr + slot * HIDDEN + cols, total, mask=(cols < HIDDEN) & written)
 
 
 @triton.jit
@@ -97,19 +119,24 @@ def _normed_input_gradient(dy, scale, w, act: tl.constexpr, HAS_WEIGHT: tl.const
 
 
 @triton.jit
-def _input_gradients(dy, u32, r, minus_mean_product, du, scale, w, act: tl.constexpr, HAS_GATE: tl.constexpr,
-                     HAS_NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr, ROUND_NORM: tl.constexpr,
-                     ROUND_NORM_BEFORE_WEIGHT: tl.constexpr, ROUND_AFFINE: tl.constexpr, INTERPRETED: tl.constexpr):
-    """``(du_t, dn, normed, n)`` of a block of a row's columns (or of several rows', ``r`` and
-    ``minus_mean_product = -mean(dxhat * xhat)`` broadcast to it): the gradient reaching the site's residual, the gradient reaching the norm's output, the
-    normalized row (``R(xhat)`` where the norm rounds before the weight) and the norm's output. Without a norm
-    ``du_t`` is the incoming ``du`` (fp32) and the others are it too (unused)."""
+def _input_gradients(dy, u32, r, minus_mean_product, minus_mean_dxhat, du, scale, w, act: tl.constexpr,
+                     HAS_GATE: tl.constexpr, HAS_NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+                     LAYER_NORM: tl.constexpr, ROUND_NORM: tl.constexpr, ROUND_NORM_BEFORE_WEIGHT: tl.constexpr,
+                     ROUND_AFFINE: tl.constexpr, ROUND_INPUT_GRADIENT: tl.constexpr, INTERPRETED: tl.constexpr):
+    """``(du_t, dn, normed, n)`` of a block of a row's columns (or of several rows', ``r``,
+    ``minus_mean_product = -mean(dxhat * xhat)`` and a LayerNorm's ``minus_mean_dxhat = -mean(dxhat)`` broadcast
+    to it; ``u32`` the row less its mean for a LayerNorm): the gradient reaching the site's residual, the gradient
+    reaching the norm's output, the normalized row (``R(xhat)`` where the norm rounds before the weight) and the
+    norm's output. Without a norm ``du_t`` is the incoming ``du`` (fp32) and the others are it too (unused)."""
     if HAS_NORM:
         xhat = u32 * r
         dn, dxhat = _normed_input_gradient(dy, scale, w, act, HAS_WEIGHT, ROUND_NORM, ROUND_NORM_BEFORE_WEIGHT,
                                            ROUND_AFFINE, INTERPRETED)
-        centred = tl.fma(xhat, minus_mean_product, dxhat)  # dxhat - xhat * mean(dxhat * xhat), one rounding
-        if ROUND_NORM:
+        if LAYER_NORM:  # dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)
+            centred = tl.fma(xhat, minus_mean_product, dxhat + minus_mean_dxhat)
+        else:  # dxhat - xhat * mean(dxhat * xhat), one rounding
+            centred = tl.fma(xhat, minus_mean_product, dxhat)
+        if ROUND_INPUT_GRADIENT:
             du_n = rounded(r * centred, act, INTERPRETED)
             du_t = rounded(du + du_n, act, INTERPRETED) if HAS_GATE else du_n
         else:
@@ -126,11 +153,11 @@ def _input_gradients(dy, u32, r, minus_mean_product, du, scale, w, act: tl.const
 
 
 @triton.jit
-def _row(s, valid, order_ptr, idx_ptr, num_table_rows, SORTED: tl.constexpr):
+def _row(s, valid, order_ptr, idx_ptr, num_table_rows, SORTED: tl.constexpr, ORDERED_INDEX: tl.constexpr):
     """``(t, k)``: the row at position ``s`` of the visiting order and its table row (clamped: every load reads
     in bounds, whatever the index; an index out of range fails the assertion)."""
     s = tl.where(valid, s, 0)
-    t = tl.load(order_ptr + s).to(tl.int64) if SORTED else s
+    t = tl.load(order_ptr + s).to(tl.int64) if SORTED and not ORDERED_INDEX else s
     k = tl.load(idx_ptr + t).to(tl.int64)
     tl.device_assert(~valid | ((k >= 0) & (k < num_table_rows)), "h3_fused: index out of range [0, K)")
     return t, tl.minimum(tl.maximum(k, 0), num_table_rows - 1)
@@ -172,9 +199,11 @@ def modulation_backward_kernel(
     n_rows, num_table_rows, rows_per_program, eps,
     stride_u, stride_branch, stride_gate, stride_scale, stride_dy, stride_du,
     HIDDEN: tl.constexpr, HAS_GATE: tl.constexpr, HAS_NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-    ROUND_NORM: tl.constexpr, ROUND_NORM_BEFORE_WEIGHT: tl.constexpr, ROUND_AFFINE: tl.constexpr,
+    LAYER_NORM: tl.constexpr, ROUND_NORM: tl.constexpr, ROUND_NORM_BEFORE_WEIGHT: tl.constexpr,
+    ROUND_AFFINE: tl.constexpr, ROUND_INPUT_GRADIENT: tl.constexpr,
     NEED_X: tl.constexpr, NEED_BRANCH: tl.constexpr, NEED_SHIFT: tl.constexpr, NEED_SCALE: tl.constexpr,
-    NEED_GATE: tl.constexpr, NEED_W: tl.constexpr, SORTED: tl.constexpr, PREFETCH: tl.constexpr,
+    NEED_GATE: tl.constexpr, NEED_W: tl.constexpr, SORTED: tl.constexpr, ORDERED_INDEX: tl.constexpr,
+    COMPENSATE_TABLES: tl.constexpr, COMPENSATE_W: tl.constexpr, PREFETCH: tl.constexpr,
     HOIST_TABLES: tl.constexpr, EARLY_STREAMS: tl.constexpr, INTERPRETED: tl.constexpr, CHUNK: tl.constexpr,
 ):
     act: tl.constexpr = dx_ptr.dtype.element_ty
@@ -184,16 +213,17 @@ def modulation_backward_kernel(
     begin = program * rows_per_program
     end = tl.minimum(begin + rows_per_program, n_rows)
     lanes = tl.arange(0, CHUNK)
-    acc_shift, acc_scale = _zeros(CHUNKS, CHUNK), _zeros(CHUNKS, CHUNK)
-    acc_gate, acc_w = _zeros(CHUNKS, CHUNK), _zeros(CHUNKS, CHUNK)
-    t_next, k_next = _row(begin, begin < end, order_ptr, idx_ptr, num_table_rows, SORTED)
+    TABLE_SUMS: tl.constexpr = CHUNKS * (2 if COMPENSATE_TABLES else 1)  # an accumulator's chunks
+    acc_shift, acc_scale = _zeros(TABLE_SUMS, CHUNK), _zeros(TABLE_SUMS, CHUNK)
+    acc_gate, acc_w = _zeros(TABLE_SUMS, CHUNK), _zeros(CHUNKS * (2 if COMPENSATE_W else 1), CHUNK)
+    t_next, k_next = _row(begin, begin < end, order_ptr, idx_ptr, num_table_rows, SORTED, ORDERED_INDEX)
     ws = _chunks(w_ptr, 0, 0, begin < end, lanes, HAS_WEIGHT and HOIST_TABLES, CHUNK, HIDDEN, False)
     if PREFETCH:  # the row's streamed inputs arrive during the previous row's work
         dy_next = _chunks(dy_ptr, t_next, stride_dy, begin < end, lanes, HAS_NORM, CHUNK, HIDDEN)
         u_next = _chunks(u_ptr, t_next, stride_u, begin < end, lanes, HAS_NORM, CHUNK, HIDDEN)
     if GROUPED:  # the table rows of the program's first and last rows, in sorted order
         first_k = k_next
-        last_k = _row(end - 1, begin < end, order_ptr, idx_ptr, num_table_rows, SORTED)[1]
+        last_k = _row(end - 1, begin < end, order_ptr, idx_ptr, num_table_rows, SORTED, ORDERED_INDEX)[1]
     else:
         first_k = 0
         last_k = 0
@@ -212,13 +242,13 @@ def modulation_backward_kernel(
             t, k = t_next, k_next
             if PREFETCH:
                 dys, us = dy_next, u_next
-                t_next, k_next = _row(s + 1, s + 1 < end, order_ptr, idx_ptr, num_table_rows, SORTED)
+                t_next, k_next = _row(s + 1, s + 1 < end, order_ptr, idx_ptr, num_table_rows, SORTED, ORDERED_INDEX)
                 dy_next = _chunks(dy_ptr, t_next, stride_dy, s + 1 < end, lanes, HAS_NORM, CHUNK, HIDDEN)
                 u_next = _chunks(u_ptr, t_next, stride_u, s + 1 < end, lanes, HAS_NORM, CHUNK, HIDDEN)
             else:
                 dys = _chunks(dy_ptr, t, stride_dy, s < end, lanes, HAS_NORM, CHUNK, HIDDEN)
                 us = _chunks(u_ptr, t, stride_u, s < end, lanes, HAS_NORM, CHUNK, HIDDEN)
-                t_next, k_next = _row(s + 1, s + 1 < end, order_ptr, idx_ptr, num_table_rows, SORTED)
+                t_next, k_next = _row(s + 1, s + 1 < end, order_ptr, idx_ptr, num_table_rows, SORTED, ORDERED_INDEX)
             if HOIST_TABLES and not SORTED:  # rows in index order: each row's own table row, at its start
                 scales = _chunks(scale_ptr, k, stride_scale, s < end, lanes, HAS_NORM, CHUNK, HIDDEN, False)
                 gates = _chunks(gate_ptr, k, stride_gate, s < end, lanes, NEED_BRANCH, CHUNK, HIDDEN, False)
@@ -228,24 +258,36 @@ def modulation_backward_kernel(
             dus = _chunks(du_ptr, t, stride_du, s < end, lanes, HAS_GATE and EARLY_STREAMS, CHUNK, HIDDEN)
             branches = _chunks(branch_ptr, t, stride_branch, s < end, lanes, NEED_GATE and EARLY_STREAMS, CHUNK,
                                HIDDEN)
-            r, minus_mean_product = 0.0, 0.0
-            if HAS_NORM:  # pass 1: the row's sum of squares and sum(dxhat * u)
+            r, minus_mean_product, minus_mean_dxhat, mean = 0.0, 0.0, 0.0, 0.0
+            if HAS_NORM:  # pass 1: the row's sum of squares and sum(dxhat * u) (a LayerNorm's: about its mean)
+                if LAYER_NORM:
+                    sums = tl.zeros([CHUNK], tl.float32)
+                    for c in tl.static_range(CHUNKS):
+                        sums += widened(us[c])
+                    mean = tl.sum(sums, axis=0) * tl.cast(1.0 / HIDDEN, tl.float32)
                 squares = tl.zeros([CHUNK], tl.float32)
                 products = tl.zeros([CHUNK], tl.float32)
+                dxhats = tl.zeros([CHUNK], tl.float32)
                 for c in tl.static_range(CHUNKS):
                     cols = c * CHUNK + lanes
                     ok = cols < HIDDEN
                     scale = _chunk_of(scales, c, scale_ptr, k, stride_scale, cols, ok, HOIST_TABLES)
                     w = _chunk_of(ws, c, w_ptr, 0, 0, cols, ok, HOIST_TABLES) if HAS_WEIGHT else 0.0
                     u32 = widened(us[c])
+                    if LAYER_NORM:
+                        u32 = tl.where(ok, u32 - mean, 0.0)
                     squares = tl.fma(u32, u32, squares)
                     _, dxhat = _normed_input_gradient(dys[c], scale, w, act, HAS_WEIGHT, ROUND_NORM,
                                                       ROUND_NORM_BEFORE_WEIGHT, ROUND_AFFINE, INTERPRETED)
                     products = tl.fma(dxhat, u32, products)
+                    if LAYER_NORM:
+                        dxhats += dxhat
                 r = rsqrt(tl.fma(tl.sum(squares, axis=0), tl.cast(1.0 / HIDDEN, tl.float32), tl.cast(eps, tl.float32)),
                           INTERPRETED)
                 # -mean(dxhat * xhat): the sign in the constant, the same bits as negating the mean
                 minus_mean_product = tl.sum(products, axis=0) * r * tl.cast(-1.0 / HIDDEN, tl.float32)
+                if LAYER_NORM:
+                    minus_mean_dxhat = tl.sum(dxhats, axis=0) * tl.cast(-1.0 / HIDDEN, tl.float32)
             for c in tl.static_range(CHUNKS):  # pass 2: the row's gradients
                 cols = c * CHUNK + lanes
                 ok = cols < HIDDEN
@@ -254,17 +296,20 @@ def modulation_backward_kernel(
                 dy, u32, scale, w = 0.0, 0.0, 0.0, 0.0
                 if HAS_NORM:
                     dy, u32 = dys[c], widened(us[c])
+                    if LAYER_NORM:
+                        u32 = u32 - mean
                     scale = _chunk_of(scales, c, scale_ptr, k, stride_scale, cols, ok, HOIST_TABLES)
                     w = _chunk_of(ws, c, w_ptr, 0, 0, cols, ok, HOIST_TABLES) if HAS_WEIGHT else 0.0
-                du_t, dn, normed, n = _input_gradients(dy, u32, r, minus_mean_product, du, scale, w, act, HAS_GATE, HAS_NORM,
-                                                       HAS_WEIGHT, ROUND_NORM, ROUND_NORM_BEFORE_WEIGHT, ROUND_AFFINE,
+                du_t, dn, normed, n = _input_gradients(dy, u32, r, minus_mean_product, minus_mean_dxhat, du, scale, w,
+                                                       act, HAS_GATE, HAS_NORM, HAS_WEIGHT, LAYER_NORM, ROUND_NORM,
+                                                       ROUND_NORM_BEFORE_WEIGHT, ROUND_AFFINE, ROUND_INPUT_GRADIENT,
                                                        INTERPRETED)
                 if NEED_W:
-                    acc_w = _add_product_at(acc_w, c, dn, normed)
+                    acc_w = _add_product_at(acc_w, c, dn, normed, COMPENSATE_W)
                 if NEED_SHIFT:
-                    acc_shift = _add_at(acc_shift, c, widened(dy))
+                    acc_shift = _add_at(acc_shift, c, widened(dy), COMPENSATE_TABLES)
                 if NEED_SCALE:
-                    acc_scale = _add_product_at(acc_scale, c, widened(dy), n)
+                    acc_scale = _add_product_at(acc_scale, c, widened(dy), n, COMPENSATE_TABLES)
                 if NEED_X:
                     tl.store(dx_ptr + t * HIDDEN + cols, rounded(du_t, act, INTERPRETED).to(act), mask=ok)
                 if NEED_BRANCH:
@@ -273,28 +318,29 @@ def modulation_backward_kernel(
                              mask=ok)
                 if NEED_GATE:
                     branch = _chunk_of(branches, c, branch_ptr, t, stride_branch, cols, ok, EARLY_STREAMS, True)
-                    acc_gate = _add_product_at(acc_gate, c, du_t, widened(branch))
+                    acc_gate = _add_product_at(acc_gate, c, du_t, widened(branch), COMPENSATE_TABLES)
         if GROUPED:
             slot = program + table_row
             if NEED_SHIFT:
-                _flush(acc_shift, part_shift_ptr, slot, hi > lo, lanes, CHUNK, HIDDEN)
+                _flush(acc_shift, part_shift_ptr, slot, hi > lo, lanes, CHUNK, HIDDEN, COMPENSATE_TABLES)
             if NEED_SCALE:
-                _flush(acc_scale, part_scale_ptr, slot, hi > lo, lanes, CHUNK, HIDDEN)
+                _flush(acc_scale, part_scale_ptr, slot, hi > lo, lanes, CHUNK, HIDDEN, COMPENSATE_TABLES)
             if NEED_GATE:
-                _flush(acc_gate, part_gate_ptr, slot, hi > lo, lanes, CHUNK, HIDDEN)
-            acc_shift, acc_scale, acc_gate = _zeros(CHUNKS, CHUNK), _zeros(CHUNKS, CHUNK), _zeros(CHUNKS, CHUNK)
+                _flush(acc_gate, part_gate_ptr, slot, hi > lo, lanes, CHUNK, HIDDEN, COMPENSATE_TABLES)
+            acc_shift, acc_scale = _zeros(TABLE_SUMS, CHUNK), _zeros(TABLE_SUMS, CHUNK)
+            acc_gate = _zeros(TABLE_SUMS, CHUNK)
     if NEED_W:
-        _flush(acc_w, part_w_ptr, program, end > begin, lanes, CHUNK, HIDDEN)
+        _flush(acc_w, part_w_ptr, program, end > begin, lanes, CHUNK, HIDDEN, COMPENSATE_W)
 
 
 @triton.jit
 def reduce_partials_kernel(part_ptr, out_ptr, seg_ptr, rows_per_program, n_programs, stride_out,
                            HIDDEN: tl.constexpr, BLOCK: tl.constexpr, GROUPED: tl.constexpr,
-                           INTERPRETED: tl.constexpr):
-    """Row ``k`` (``program_id(1)``) of a gradient: the sum of its partial slots, in program order, rounded once
-    to ``out_ptr``'s dtype. ``GROUPED`` (table gradients): the slots ``p + k`` of the programs ``p`` whose rows
-    include sorted positions ``seg[k]`` to ``seg[k + 1] - 1``, the rows of table row ``k``; else (the weight)
-    slots ``0 .. n_programs - 1``."""
+                           COMPENSATED: tl.constexpr, INTERPRETED: tl.constexpr):
+    """Row ``k`` (``program_id(1)``) of a gradient: the sum of its partial slots, in program order (``COMPENSATED``:
+    Kahan's sum), rounded once to ``out_ptr``'s dtype. ``GROUPED`` (table gradients): the slots ``p + k`` of the
+    programs ``p`` whose rows include sorted positions ``seg[k]`` to ``seg[k + 1] - 1``, the rows of table row
+    ``k``; else (the weight) slots ``0 .. n_programs - 1``."""
     k = tl.program_id(1).to(tl.int64)
     cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < HIDDEN
@@ -309,7 +355,17 @@ def reduce_partials_kernel(part_ptr, out_ptr, seg_ptr, rows_per_program, n_progr
         stop = n_programs + 0 * k
         offset = 0
     total = tl.zeros([BLOCK], tl.float32)
+    lost = tl.zeros([BLOCK], tl.float32)
     for p in range(first, stop):
-        total += tl.load(part_ptr + (p + offset) * HIDDEN + cols, mask=ok, other=0.0)
+        partial = tl.load(part_ptr + (p + offset) * HIDDEN + cols, mask=ok, other=0.0)
+        if COMPENSATED:
+            y = partial - lost
+            added = total + y
+            lost = (added - total) - y
+            total = added
+        else:
+            total += partial
+    if COMPENSATED:
+        total = total - lost
     out: tl.constexpr = out_ptr.dtype.element_ty
     tl.store(out_ptr + k * stride_out + cols, rounded(total, out, INTERPRETED).to(out), mask=ok)

@@ -56,10 +56,13 @@ class Rounding:
     The backward rounds the activation gradients where eager's autograd of the same graph rounds them,
     which the same fields decide (``dy``, ``du`` are the incoming gradients of ``y`` and ``u``, ``xhat = u*r``):
 
-    - ``norm_output``: the gradient reaching the norm's output is ``dn = R_A(dy * p)``; the norm's input
-      gradient ``du_n = R_A(r * (dxhat - xhat * mean(dxhat * xhat)))``; at site B the residual's gradient
-      ``du_t = R_A(du + du_n)`` (two gradients of one ``A`` tensor, summed in ``A`` as autograd sums them).
-      Otherwise (``fp32`` policy, fp32 activations) all of it stays fp32 up to the outputs.
+    - ``norm_output``: the gradient reaching the norm's output is ``dn = R_A(dy * p)`` (else fp32: the norm's
+      output and the affine are fp32 in the graph).
+    - ``input_gradient``: the norm's input gradient ``du_n = R_A(r * (dxhat - xhat * mean(dxhat * xhat)))``
+      (a LayerNorm's: ``R_A(r * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)))``, ``xhat = (u - mean) * r``)
+      and at site B the residual's gradient ``du_t = R_A(du + du_n)`` (two gradients of one ``A`` tensor, summed
+      in ``A`` as autograd sums them): the norm's input is ``A`` (or its fp32 upcast, whose backward rounds to
+      ``A``). Otherwise (``fp32`` policy, fp32 activations) all of it stays fp32 up to the outputs.
     - ``norm_before_weight``: ``dxhat = R_A(dn * w)`` (the native RMSNorm's bf16 multiply by the weight),
       else ``dxhat = dn * w`` in fp32.
     - Every output rounds once to its tensor's dtype: ``dx``/``dresidual`` = ``du_t``,
@@ -67,7 +70,9 @@ class Rounding:
     - Table and weight gradients are sums over all rows of fp32 products (``dshift = sum(dy)``,
       ``dscale = sum(dy * n)``, ``dgate = sum(du_t * branch)``, ``dw = sum(dn * xhat)``, or ``* R_A(xhat)``
       with ``norm_before_weight``), accumulated in fp32 in a fixed order and rounded once to the
-      parameter's dtype, under both policies (eager sums them in the parameter's dtype, by atomics on CUDA).
+      parameter's dtype, under both policies (eager sums gathered rows' gradients in the parameter's dtype, by
+      atomics on CUDA). Where that dtype is fp32 the sum is Kahan-compensated (the reference sums in fp64): its
+      error then stays near the one rounding however many rows it sums.
 
     The backward recomputes ``r`` and sums ``mean(dxhat * xhat)`` in its own order (``norm_sum_order`` is the
     forward's): where that order differs from eager's, ``du_n`` may differ in the last place of ``A``.
@@ -79,6 +84,7 @@ class Rounding:
     affine: bool
     fused_multiply_add: bool = False
     norm_sum_order: SumOrder = SumOrder.OWN
+    input_gradient: bool = False
 
 
 def rounding_for(policy: str, activation: torch.dtype, gate_table: torch.dtype | None,
@@ -98,4 +104,4 @@ def rounding_for(policy: str, activation: torch.dtype, gate_table: torch.dtype |
 
     return Rounding(gate_product=low(gate_table), norm_output=not norm_in_fp32,
                     norm_before_weight=norm_rounds_before_weight, affine=low(mod_table) and not norm_in_fp32,
-                    norm_sum_order=sum_order)
+                    norm_sum_order=sum_order, input_gradient=True)

@@ -84,15 +84,18 @@ def backward_config(hidden: int, rows, device: torch.device, has_norm: bool = Tr
 class BackwardSpecialisation:
     """The backward kernel's constexprs (``backward_kernel``'s module docstring gives their meaning), in its order:
     the site, the rounding contract's ``ROUND_*`` (``contract.Rounding``), the gradients computed (``NEED_*``),
-    whether the rows are visited sorted by table row, the ``BackwardConfig``, ``INTERPRETED``."""
+    whether the rows are visited sorted by table row and whether their own order is sorted, the
+    ``BackwardConfig``, ``INTERPRETED``."""
 
     HIDDEN: int
     HAS_GATE: bool
     HAS_NORM: bool
     HAS_WEIGHT: bool
+    LAYER_NORM: bool
     ROUND_NORM: bool
     ROUND_NORM_BEFORE_WEIGHT: bool
     ROUND_AFFINE: bool
+    ROUND_INPUT_GRADIENT: bool
     NEED_X: bool
     NEED_BRANCH: bool
     NEED_SHIFT: bool
@@ -100,6 +103,9 @@ class BackwardSpecialisation:
     NEED_GATE: bool
     NEED_W: bool
     SORTED: bool
+    ORDERED_INDEX: bool
+    COMPENSATE_TABLES: bool
+    COMPENSATE_W: bool
     PREFETCH: bool
     HOIST_TABLES: bool
     EARLY_STREAMS: bool
@@ -110,29 +116,40 @@ class BackwardSpecialisation:
 @specialisation(reduce_partials_kernel)
 class ReduceSpecialisation:
     """The partial sums' reduction's constexprs: ``BLOCK`` columns a program, ``GROUPED`` (a table's gradient,
-    a row per table row) or not (the weight's)."""
+    a row per table row) or not (the weight's), ``COMPENSATED`` (Kahan's sum)."""
 
     HIDDEN: int
     BLOCK: int
     GROUPED: bool
+    COMPENSATED: bool
     INTERPRETED: bool
 
 
-def backward_specialisation(a: ModulationArgs, needs: Needs, config: BackwardConfig) -> BackwardSpecialisation:
+def backward_specialisation(a: ModulationArgs, needs: Needs, config: BackwardConfig,
+                            ordered_index: bool = False) -> BackwardSpecialisation:
     """The backward kernel's specialisation for the site ``a`` (the forward's checked arguments), the gradients
     ``needs`` asks for (those the site has), launched with ``config``: sorted by table row where any table
-    gradient is needed."""
+    gradient is needed (``ordered_index``: the index is nondecreasing, the rows' own order is sorted)."""
     has_gate, has_norm = a.gate is not None, a.scale is not None
     rounding = a.rounding
     need_shift, need_scale, need_gate = needs.shift and has_norm, needs.scale and has_norm, needs.gate and has_gate
     return BackwardSpecialisation(
         HIDDEN=a.hidden, HAS_GATE=has_gate, HAS_NORM=has_norm, HAS_WEIGHT=a.weight is not None,
-        ROUND_NORM=rounding.norm_output, ROUND_NORM_BEFORE_WEIGHT=rounding.norm_before_weight,
-        ROUND_AFFINE=rounding.affine, NEED_X=needs.lead, NEED_BRANCH=needs.branch and has_gate,
+        LAYER_NORM=has_norm and a.norm == "layer", ROUND_NORM=rounding.norm_output,
+        ROUND_NORM_BEFORE_WEIGHT=rounding.norm_before_weight, ROUND_AFFINE=rounding.affine,
+        ROUND_INPUT_GRADIENT=rounding.input_gradient, NEED_X=needs.lead, NEED_BRANCH=needs.branch and has_gate,
         NEED_SHIFT=need_shift, NEED_SCALE=need_scale, NEED_GATE=need_gate,
         NEED_W=needs.weight and a.weight is not None, SORTED=need_shift or need_scale or need_gate,
+        ORDERED_INDEX=ordered_index, COMPENSATE_TABLES=any(compensated(t) for t in a.tables),
+        COMPENSATE_W=compensated(a.weight),
         PREFETCH=config.prefetch, HOIST_TABLES=config.hoist_tables, EARLY_STREAMS=config.early_streams,
         INTERPRETED=interpreting(), CHUNK=config.chunk)
+
+
+def compensated(gradient_of: torch.Tensor | None) -> bool:
+    """Whether the sum over rows of the gradient of ``gradient_of`` (a table or the weight) is Kahan-compensated:
+    where it is rounded to fp32, which would not hide the fp32 sum's own error."""
+    return gradient_of is not None and gradient_of.dtype == torch.float32
 
 
 def _empty_like_rows(a: ModulationArgs):
@@ -140,14 +157,16 @@ def _empty_like_rows(a: ModulationArgs):
 
 
 def launch_backward(a: ModulationArgs, u: torch.Tensor | None, dy: torch.Tensor | None, du: torch.Tensor | None,
-                    needs: Needs, wrap, config: BackwardConfig | None = None) -> dict[str, torch.Tensor]:
+                    needs: Needs, wrap, config: BackwardConfig | None = None,
+                    ordered_index: bool = False) -> dict[str, torch.Tensor]:
     """The gradients ``needs`` asks for, as ``reference.reference_backward`` returns them (same keys, dtypes and
     shapes; rows ``[R, H]``), computed by the Triton kernels (``wrap`` = ``torch.library.wrap_triton``, or the
     identity for a direct launch) with ``config`` (default: ``backward_config``'s). ``a``: the forward's checked
-    arguments; ``u``, ``dy``, ``du``: ``[R, H]`` rows with unit column stride."""
+    arguments (gathered: an index); ``u``, ``dy``, ``du``: ``[R, H]`` rows with unit column stride;
+    ``ordered_index``: the index is nondecreasing (no sort)."""
     has_gate, has_norm = a.gate is not None, a.scale is not None
     config = config or backward_config(a.hidden, a.rows, a.device, has_norm, has_gate)
-    spec = backward_specialisation(a, needs, config)
+    spec = backward_specialisation(a, needs, config, ordered_index)
     need_w = spec.NEED_W
     want = dict(shift=spec.NEED_SHIFT, scale=spec.NEED_SCALE, gate=spec.NEED_GATE)
     grads = {}
@@ -155,12 +174,15 @@ def launch_backward(a: ModulationArgs, u: torch.Tensor | None, dy: torch.Tensor 
         grads["lead"] = _empty_like_rows(a)
     if spec.NEED_BRANCH:
         grads["branch"] = _empty_like_rows(a)
-    if spec.SORTED:
+    bounds = torch.arange(a.num_table_rows + 1, device=a.device) if spec.SORTED else None
+    if spec.SORTED and ordered_index:
+        order, seg = a.index, torch.searchsorted(a.index, bounds.to(a.index.dtype))  # order: not read
+    elif spec.SORTED:
         # keys made distinct (index * R + row), so that the order, and with it the order of every fp32 sum, is
         # the same whichever sort runs (eager's stable one, or one a compiler chooses)
         rows = torch.arange(a.rows, device=a.device)
         sorted_keys, order = torch.sort(a.index.long() * a.rows + rows)
-        seg = torch.searchsorted(sorted_keys, torch.arange(a.num_table_rows + 1, device=a.device) * a.rows)
+        seg = torch.searchsorted(sorted_keys, bounds * a.rows)
     else:
         order = seg = a.index  # not read
 
@@ -199,6 +221,7 @@ def launch_backward(a: ModulationArgs, u: torch.Tensor | None, dy: torch.Tensor 
             reduce_partials_kernel, grid=(ceil_div(a.hidden, REDUCE_BLOCK), table.shape[0] if grouped_sum else 1),
             num_warps=4, scalars=(config.rows_per_program, config.programs, a.hidden if grouped_sum else 0),
             spec=ReduceSpecialisation(HIDDEN=a.hidden, BLOCK=REDUCE_BLOCK, GROUPED=grouped_sum,
+                                      COMPENSATED=spec.COMPENSATE_W if name == "weight" else spec.COMPENSATE_TABLES,
                                       INTERPRETED=interpreting()),
         )((part[name], out, seg), wrap)
         grads[name] = out

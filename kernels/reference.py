@@ -118,14 +118,17 @@ def reference_modulation(a: ModulationArgs) -> tuple[torch.Tensor | None, torch.
     return u, modulate(n, a).view(a.out_shape)
 
 
-def _index_sum(rows: torch.Tensor, index: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """``out[k] = sum of rows[t] where index[t] == k``, in the rows' dtype, summed in the rows' order."""
-    return rows.new_zeros(num_rows, rows.shape[-1]).index_add_(0, index, rows)
+def _index_sum(rows: torch.Tensor, index: torch.Tensor, num_rows: int, exact: bool = False) -> torch.Tensor:
+    """``out[k] = sum of rows[t] where index[t] == k``, in the rows' dtype, summed in the rows' order (``exact``:
+    in fp64, for a gradient rounded to fp32, where the fp32 sum's own error would show)."""
+    total = rows.double() if exact else rows
+    return total.new_zeros(num_rows, rows.shape[-1]).index_add_(0, index, total)
 
 
 def reference_backward(a: ModulationArgs, u: torch.Tensor | None, dy: torch.Tensor | None, du: torch.Tensor | None,
                        needs) -> dict[str, torch.Tensor]:
-    """The gradients ``needs`` asks for (``launch_backward.Needs``), by the backward contract of ``contract.Rounding``:
+    """The gradients ``needs`` asks for (``launch_backward.Needs``), by the backward contract of ``contract.Rounding``
+    (the rows gathered by an index: ``backward.SavedSite.gathered`` restates given rows so):
     keys ``lead`` (``dx``, or ``dresidual``), ``branch``, ``gate``, ``weight``, ``shift``, ``scale``, each in its
     input's dtype and shape. ``u`` is what the forward normalized (``x``, or the stored residual; ``[R, H]``),
     ``dy``/``du`` the incoming gradients of ``y`` and ``u`` (``[R, H]``). Arithmetic in fp32 (fp64 for fp64
@@ -137,10 +140,16 @@ def reference_backward(a: ModulationArgs, u: torch.Tensor | None, dy: torch.Tens
     def R(v, rounds):
         return v.to(a.dtype).to(compute) if rounds else v
 
+    def table_sum(name, rows):  # an fp32 table's gradient: the fp64 sum rounded once, as the kernel's compensated one
+        table = getattr(a, name)
+        return _index_sum(rows, idx, table.shape[0], exact=table.dtype == torch.float32)
+
     sums = {}
     if a.scale is not None:
         dy_c = dy.to(compute)
         u_c = u.to(compute)
+        if a.norm == "layer":
+            u_c = u_c - u_c.mean(-1, keepdim=True)
         r = torch.rsqrt(u_c.pow(2).mean(-1, keepdim=True) + a.eps)
         xhat = u_c * r
         scale_rows = a.scale.index_select(0, idx)
@@ -148,16 +157,19 @@ def reference_backward(a: ModulationArgs, u: torch.Tensor | None, dy: torch.Tens
         dn = R(dy_c * p, rnd.norm_output)
         w = a.weight.to(compute) if a.weight is not None else None
         dxhat = R(dn * w, rnd.norm_before_weight) if w is not None else dn
-        du_n = R(r * (dxhat - xhat * (dxhat * xhat).mean(-1, keepdim=True)), rnd.norm_output)
-        du_t = R(du.to(compute) + du_n, rnd.norm_output) if a.gate is not None else du_n
+        centred = dxhat - xhat * (dxhat * xhat).mean(-1, keepdim=True)
+        if a.norm == "layer":
+            centred = centred - dxhat.mean(-1, keepdim=True)
+        du_n = R(r * centred, rnd.input_gradient)
+        du_t = R(du.to(compute) + du_n, rnd.input_gradient) if a.gate is not None else du_n
         normed = R(xhat, rnd.norm_before_weight)
         n = R(normed * w if w is not None else normed, rnd.norm_output)
         if needs.shift:
-            sums["shift"] = _index_sum(dy_c, idx, a.shift.shape[0])
+            sums["shift"] = table_sum("shift", dy_c)
         if needs.scale:
-            sums["scale"] = _index_sum(dy_c * n, idx, a.scale.shape[0])
+            sums["scale"] = table_sum("scale", dy_c * n)
         if needs.weight and w is not None:
-            sums["weight"] = (dn * normed).sum(0)
+            sums["weight"] = (dn * normed).sum(0, dtype=torch.float64 if a.weight.dtype == torch.float32 else None)
     else:
         du_t = du.to(compute)
     grads = {}
@@ -167,7 +179,7 @@ def reference_backward(a: ModulationArgs, u: torch.Tensor | None, dy: torch.Tens
         if needs.branch:
             grads["branch"] = (du_t * a.gate.index_select(0, idx).to(compute)).to(a.dtype)
         if needs.gate:
-            sums["gate"] = _index_sum(du_t * a.branch.to(compute), idx, a.gate.shape[0])
+            sums["gate"] = table_sum("gate", du_t * a.branch.to(compute))
     for name, total in sums.items():
         grads[name] = total.to(getattr(a, name).dtype)
     return grads

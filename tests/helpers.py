@@ -166,3 +166,21 @@ def fused_count(fn) -> int:
         untouched = torch.compile(fn, options={"emulate_precision_casts": True})(**t)
         assert all(torch.equal(u, g) for u, g in zip(as_tuple(untouched), as_tuple(got)))
     return fused
+
+
+def gradients(fn, tensors: dict, wrt, seed=1):
+    """``{name: grad}`` of a fixed random projection of ``fn``'s outputs, with respect to ``wrt`` (the projection's
+    values are bf16 numbers: the incoming gradients are the same in a bf16 and an fp64 graph)."""
+    leaves = {k: v.detach().clone().requires_grad_(k in wrt) if isinstance(v, torch.Tensor) else v
+              for k, v in tensors.items()}
+    outputs = fn(**leaves)
+    outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+    g = torch.Generator().manual_seed(seed)
+    loss = sum((o.double() * torch.randn(o.shape, generator=g).to(bf16).double()).sum() for o in outputs)
+    loss.backward()
+    return {k: leaves[k].grad for k in wrt}
+
+
+def in_fp64(t: dict) -> dict:
+    """The floating-point tensors of ``t`` in fp64."""
+    return {k: v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in t.items()}

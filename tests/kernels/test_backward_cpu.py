@@ -9,6 +9,7 @@ import pytest
 import torch
 from h3_fused.kernels import modulation_backward
 from h3_fused.kernels.testing import eager_site, fused_site, make_inputs, site_tensors
+from helpers import gradients, in_fp64
 
 bf16, f64 = torch.bfloat16, torch.float64
 SITE_INPUTS = {"A": ("x", "weight", "shift", "scale", "index"),
@@ -25,25 +26,8 @@ def eager(site, native=False, upcast=False):
     return eager_site(site, native, upcast)
 
 
-def gradients(fn, tensors: dict, wrt, seed=1):
-    """``{name: grad}`` of a fixed random projection of ``fn``'s outputs, with respect to ``wrt`` (the projection's
-    values are bf16 numbers: the incoming gradients are the same in a bf16 and an fp64 graph)."""
-    leaves = {k: v.detach().clone().requires_grad_(k in wrt) if isinstance(v, torch.Tensor) else v
-              for k, v in tensors.items()}
-    outputs = fn(**leaves)
-    outputs = outputs if isinstance(outputs, tuple) else (outputs,)
-    g = torch.Generator().manual_seed(seed)
-    loss = sum((o.double() * torch.randn(o.shape, generator=g).to(bf16).double()).sum() for o in outputs)
-    loss.backward()
-    return {k: leaves[k].grad for k in wrt}
-
-
 def inputs(site, tokens, hidden, table_rows=6, dtype=bf16):
     return make_inputs(site, tokens, hidden, table_rows, device="cpu", dtype=dtype)
-
-
-def in_fp64(t: dict) -> dict:
-    return {k: v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in t.items()}
 
 
 def float_grads(site):
