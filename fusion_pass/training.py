@@ -11,14 +11,20 @@ computes only the gradients something needs.
 The trace keeps what the graph says about gradients: grad-mode switches (``torch.no_grad()`` inside the
 model) are recorded as they run, and ``torch.utils.checkpoint`` regions are inlined with the tags its
 tracing gives them, which the replacement keeps. A graph holding any other higher-order op is compiled as it
-is (``log`` says so), as is a graph in which no site fused: nothing changes for it.
+is (``log`` says so), as is a graph in which no site fused: nothing changes for it. The functional copies that
+functionalization writes for assignments into slices have no derivative; each becomes ops that have one
+(``_differentiable_copies``).
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.fx.traceback as fx_traceback
 from h3_fused.patterns import NoMatch, find_sites
+from h3_fused.patterns.replacements import splice
+from torch._dynamo import utils as dynamo_utils
 from torch._guards import detect_fake_mode
 from torch._subclasses.functional_tensor import dispatch_functionalize
 from torch.fx import GraphModule, Interpreter
@@ -56,6 +62,26 @@ def _unsupported(gm: GraphModule) -> str | None:
     return None
 
 
+def _differentiable_copy(dst, src):
+    return (src.to(dst.dtype).expand_as(dst).clone(),)
+
+
+def _differentiable_copies(gm: GraphModule) -> None:
+    """Functionalization writes an assignment into a slice (``out[..., 0::2] = v``, as Wan's rotary embedding
+    does) as ``aten.copy(dst, v)``, which has no derivative, and AOT autograd differentiates the graph it is
+    handed: each becomes ``v`` cast to ``dst``'s dtype, broadcast to its shape and copied, the same values."""
+    for node in [n for n in gm.graph.nodes if n.op == "call_function" and n.target is torch.ops.aten.copy.default]:
+        (copied,) = splice(gm.graph, _differentiable_copy, list(node.args[:2]), node, {}, decomposed=False)
+        node.replace_all_uses_with(copied)
+        gm.graph.erase_node(node)
+
+
+# Dynamo compiles inside the user's code, under whatever saved-tensor hooks are active there (a non-reentrant
+# ``torch.utils.checkpoint`` around a compiled block counts the tensors its forward saves): a trace must not run
+# them, or they count what the trace saves, as AOT autograd does not let its own trace do
+_hooks_deferred = getattr(dynamo_utils, "_disable_saved_tensors_hooks_during_tracing", contextlib.nullcontext)
+
+
 def fuse_before_autograd(gm: GraphModule, example_inputs, options: FusionOptions) -> GraphModule | None:
     """``gm`` traced to aten with every site it holds replaced by its op, or None where nothing fused (or the
     graph cannot be traced faithfully: then ``gm`` is compiled as it is)."""
@@ -63,6 +89,11 @@ def fuse_before_autograd(gm: GraphModule, example_inputs, options: FusionOptions
     if why is not None:
         log.debug("h3_fused: training graph compiled unfused: %s", why)
         return None
+    with _hooks_deferred():
+        return _fuse(gm, example_inputs, options)
+
+
+def _fuse(gm: GraphModule, example_inputs, options: FusionOptions) -> GraphModule | None:
     fake_mode = detect_fake_mode(example_inputs)
     fakes = [fake_mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in example_inputs]
     with fake_mode, fx_traceback.preserve_node_meta():
@@ -74,7 +105,7 @@ def fuse_before_autograd(gm: GraphModule, example_inputs, options: FusionOptions
         if missing is None:
             sites.append(site)
         else:
-            refuse(site.outputs[-1], NoMatch(f"no fused backward yet for {missing}, and this graph computes gradients"),
+            refuse(site.outputs[-1], NoMatch(f"no fused backward for {missing}, and this graph computes gradients"),
                    f"site {site.kind.letter}")
     if not sites:
         return None
@@ -82,6 +113,7 @@ def fuse_before_autograd(gm: GraphModule, example_inputs, options: FusionOptions
     if not fused:
         return None
     traced.graph.eliminate_dead_code()
+    _differentiable_copies(traced)
     traced.graph.lint()
     traced.recompile()
     log.debug("h3_fused: %d site(s) fused before autograd", fused)

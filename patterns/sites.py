@@ -287,12 +287,28 @@ def _match_fused_norm(n: Node, act: torch.dtype, hidden: int) -> Norm:
     return Norm(x, _weight_source(weight, hidden) if weight is not None else None, eps, False, [n, fused])
 
 
+def _match_native_layer_norm(n: Node, act: torch.dtype, hidden: int, bias_allowed: bool) -> Norm:
+    """``n = native_layer_norm(x, [H], w, b, eps)[0]``: ``nn.LayerNorm`` / ``F.layer_norm`` as the graph traced before
+    autograd holds it, of the activations (one rounding) or of their fp32 upcast (``in_fp32``)."""
+    stats = n.args[0]
+    x, shape, weight, bias, eps = stats.args
+    expect(isinstance(shape, (list, tuple)) and len(shape) == 1 and same_size(shape[0], hidden),
+           f"the norm is over {shape}, not the last dim H={hidden}")
+    in_fp32 = act != f32 and dtype_of(n) == f32
+    x = _norm_input(x, act, in_fp32)
+    expect(bias is None or bias_allowed, "the norm adds a bias: not fused")
+    return Norm(x, _weight_source(weight, hidden) if weight is not None else None, _constant_eps(eps), False,
+                [n, stats], "layer", in_fp32, _weight_source(bias, hidden, "bias") if bias is not None else None)
+
+
 def match_norm(n: object, act: torch.dtype, hidden: int, bias_allowed: bool = False) -> Norm:
     """``n`` is the norm's output: in the activation dtype ``act``, or in fp32 where the norm is computed on the
     activations upcast to fp32 (``Norm.in_fp32``). ``bias_allowed``: a LayerNorm may add a bias (``+ b``, ``[H]``,
     after its weight), which no site's kernel adds."""
     if is_op(n, (operator.getitem,)) and is_op(n.args[0], (aten._fused_rms_norm.default,)) and n.args[1] == 0:
         return _match_fused_norm(n, act, hidden)
+    if is_op(n, (operator.getitem,)) and is_op(n.args[0], (aten.native_layer_norm.default,)) and n.args[1] == 0:
+        return _match_native_layer_norm(n, act, hidden, bias_allowed)
     in_fp32 = act != f32 and dtype_of(n) == f32
     nodes: list[Node] = []
     weight, before = None, False
@@ -553,14 +569,17 @@ class Site:
         return self.inputs.get("index") is not None
 
     def without_fused_backward(self) -> str | None:
-        """What of this site the fused backward does not cover yet (``kernels.autograd``), or None."""
-        if self.inputs.get("choice") is not None:
-            return "modulation rows chosen per token between two (`torch.where`)"
-        if not self.gathered:
-            return "modulation rows given without an index (per sample or per token)"
-        if self.norm != "rms":
-            return "a LayerNorm"
-        return "a norm computed in fp32" if self.norm_in_fp32 else None
+        """What of this site the fused backward does not cover (``kernels.autograd``), or None: it restates rows
+        given without an index as tables gathered by one index, which rows that broadcast differently (a gate
+        per sample beside shift and scale per token) do not share."""
+        if self.gathered or self.inputs.get("choice") is not None:
+            return None
+        rank = len(shape_of(self.lead) or ())
+        shapes = {name: (1,) * (rank - len(shape)) + tuple(shape[:-1]) for name, shape in self.row_shapes.items()}
+        if len(set(shapes.values())) > 1:
+            return "modulation rows that broadcast differently (" + ", ".join(
+                f"{name} {list(dims)}" for name, dims in shapes.items()) + ")"
+        return None
 
 
 def _upcast(tables: list[Rows], compute: torch.dtype) -> bool:

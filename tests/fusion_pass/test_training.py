@@ -5,29 +5,19 @@ import h3_fused
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import assert_bf16_policy, inductor_matches_eager_on_cpu, sites_fused, tiny
+from helpers import (
+    GraphSpy,
+    assert_bf16_policy,
+    assert_gradients_close,
+    inductor_matches_eager_on_cpu,
+    sites_fused,
+    tiny,
+)
 from torch._dynamo.utils import counters
 from torch.utils.checkpoint import checkpoint
 
 pytestmark = pytest.mark.usefixtures("fresh_compile")
 bf16 = torch.bfloat16
-SCATTERS = ("index_put", "index_add", "scatter_add")  # how an unfused gather's backward sums table rows
-
-
-class GraphSpy:
-    """A user post-grad pass (chained after ours) that records the call targets of every graph Inductor compiles."""
-
-    def __init__(self):
-        self.graphs = []
-
-    def __call__(self, graph):
-        self.graphs.append([str(n.target) for n in graph.nodes if n.op == "call_function"])
-
-    def count(self, name: str) -> int:
-        return sum(t.count(name) for g in self.graphs for t in g)
-
-    def scatters(self) -> list[str]:
-        return [t for g in self.graphs for t in g if any(s in t for s in SCATTERS)]
 
 
 def loss_of(output):
@@ -41,13 +31,6 @@ def train_step(fn, model, *args):
     out = fn(*args)
     loss_of(out).backward()
     return out, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-
-
-def assert_gradients_close(got: dict, expected: dict, rel=2e-2):
-    assert got.keys() == expected.keys()
-    for name, g in got.items():
-        e = expected[name].float()
-        assert (g.float() - e).norm() <= rel * e.norm() + 1e-6, name
 
 
 @pytest.mark.parametrize("mode", ["whole", "regional"])

@@ -1,0 +1,63 @@
+"""Training compiles of diffusers' DiT family, unmodified, tiny configs on the CPU: every site the inference
+compile fuses also fuses in the graph that computes gradients, each with its fused backward (on the CPU the
+reference backward, one op a site), so no row gradient is left to Inductor; the output and every parameter's
+gradient follow eager's within the ``bf16`` policy; peft LoRA fine-tunes (``examples/finetune.py``) give
+eager's losses within it, by blocks and with diffusers' gradient checkpointing too."""
+
+import h3_fused
+import pytest
+import torch
+from dit_family import MODELS, compile_regionally
+from finetune import finetune
+from helpers import GraphSpy, assert_bf16_policy, assert_gradients_close
+from test_dit_family import REGIONAL, WHOLE
+from torch._dynamo.utils import counters
+
+pytestmark = [pytest.mark.usefixtures("fresh_compile"), pytest.mark.slow]
+OPS = ("norm_modulate", "gate_norm_modulate", "gate_residual")
+
+
+def step(fn, model, inputs):
+    """One forward and backward of a fixed random projection of the output: the output and the gradients."""
+    model.zero_grad(set_to_none=True)
+    out = fn(**inputs)[0]
+    g = torch.Generator().manual_seed(7)
+    (out.float() * torch.randn(out.shape, generator=g)).sum().backward()
+    return out, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("name, mode", [("flux", "whole"), ("wan", "regional"), ("qwen_image_edit", "whole")])
+def test_training_compiles_fuse_every_site_with_its_backward(name, mode):
+    """Flux (LayerNorm, rows per sample), Wan by blocks (the norm of the fp32 upcast, fp32 rows) and
+    Qwen-Image-Edit (rows chosen per token between two): the inference compile's sites, each with its backward."""
+    model, inputs = MODELS[name].example("cpu", real=False)
+    model.train()
+    expected, expected_grads = step(model, model, inputs)
+    spy = GraphSpy()
+    with torch._inductor.config.patch(post_grad_custom_post_pass=spy):
+        if mode == "whole":
+            fn = torch.compile(model, backend="h3_fused", options={"dtype_policy": "bf16"})
+        else:
+            compile_regionally(model, {"dtype_policy": "bf16"})
+            fn = model
+        got, grads = step(fn, model, inputs)
+    fused = counters["h3_fused"]
+    assert tuple(fused[op] for op in OPS) == (WHOLE if mode == "whole" else REGIONAL)[name]
+    assert fused["refused"] == 0
+    assert spy.count("h3_fused.reference_modulation_backward.default") == sum(fused[op] for op in OPS)
+    assert not spy.scatters(), "no row gradient is left to a scatter"
+    assert_bf16_policy(got, expected)
+    assert_gradients_close(grads, expected_grads)
+
+
+@pytest.mark.parametrize("name, regional, checkpointing", [("flux", False, False), ("wan", True, True)],
+                         ids=["flux", "wan-regional-checkpointing"])
+def test_lora_fine_tunes_follow_eager(name, regional, checkpointing):
+    """peft LoRA adapters on the attention and MLP linears, the rest frozen (so the sites' backward computes the
+    activations' gradients alone): three AdamW steps give eager's losses within the ``bf16`` policy."""
+    pytest.importorskip("peft")
+    kwargs = dict(steps=3, lora=True, regional=regional, checkpointing=checkpointing, lr=1e-3)
+    expected = [loss for loss, _ in finetune(name, "eager", **kwargs)]
+    got = [loss for loss, _ in finetune(name, "h3_fused", **kwargs)]
+    assert sum(counters["h3_fused"][op] for op in OPS) > 0 and counters["h3_fused"]["refused"] == 0
+    torch.testing.assert_close(got, expected, rtol=1e-2, atol=1e-2 * max(map(abs, expected)))
