@@ -13,7 +13,7 @@ them: the one catalogue the tests and the benchmarks share.
 
 The DiT family's forms (``FamilyForm``: the norm and its spelling, where the rows come from, fp32 rows with the
 norm and affine of the fp32 upcast) have their own: ``family_modulation``, ``family_rows``, ``family_inputs``,
-``family_eager_site``, ``family_fused_site`` and ``family_minimal_bytes``.
+``family_eager_site``, ``family_fused_site``, ``family_backward_inputs`` and ``family_minimal_bytes``.
 """
 
 from __future__ import annotations
@@ -307,6 +307,29 @@ def family_fused_site(site: str, form: FamilyForm, policy: str, eps: float = 1e-
         return gate_residual(residual, family_rows(form, modulation, choice)[2], branch, None, policy=policy)
 
     return {"A": a, "B": b, "C": c}[site]
+
+
+def family_backward_inputs(site: str, form: FamilyForm, batch: int, tokens: int, hidden: int, *, device="cuda",
+                           seed: int = 0, policy: str = "bf16", shared_rows: bool = False):
+    """What ``launch_backward.launch_backward`` takes for ``site`` in ``form``: ``(saved, a, (u, dy, du))``, the
+    site's ``SavedSite`` with its given rows restated as tables gathered by an index (``SavedSite.gathered``; its
+    ``ordered_index`` is the launch's), the forward's checked arguments and the ``[R, H]`` rows. ``shared_rows``:
+    one row per token shared by the samples (``[1, T, H]``: an index whose order is not the rows')."""
+    t = family_inputs(site, form, batch, tokens, hidden, device=device, seed=seed)
+    shift, scale, gate = family_rows(form, t["modulation"], t.get("choice"))
+    if shared_rows:
+        shift, scale, gate = (r[:1] for r in (shift, scale, gate))
+    lead = t.get("x", t.get("residual"))
+    incoming = family_inputs(site, form, batch, tokens, hidden, device=device, seed=seed + 1)
+    normed, gated = site != "C", site != "A"
+    flags = form.op_flags()
+    saved = SavedSite(lead if normed else None, t["branch"] if gated else None, gate if gated else None, None,
+                      shift if normed else None, scale if normed else None, None, eps=1e-6, policy=policy,
+                      upcast_tables=False, **flags).gathered(lead.shape)
+    du = incoming["branch"] if gated else None
+    a = saved.forward_args(du)
+    dy = incoming.get("x", incoming.get("residual")) if normed else None
+    return saved, a, tuple(rows_of(v, a, name) for v, name in ((saved.u, "u"), (dy, "dy"), (du, "du")))
 
 
 def family_minimal_bytes(site: str, form: FamilyForm, inputs: dict) -> int:

@@ -4,7 +4,6 @@ reference backward, one op a site), so no row gradient is left to Inductor; the 
 gradient follow eager's within the ``bf16`` policy; peft LoRA fine-tunes (``examples/finetune.py``) give
 eager's losses within it, by blocks and with diffusers' gradient checkpointing too."""
 
-import h3_fused
 import pytest
 import torch
 from dit_family import MODELS, compile_regionally

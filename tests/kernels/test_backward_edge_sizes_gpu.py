@@ -4,7 +4,7 @@
 H in {1, 31, 64, 101, 200, 5376} and T in {1, 3, 257}, all gradients and the activations' alone, with the
 shipped launch configuration, one row per program, without the prefetch of the next row, and with the table
 rows held in registers and the streams loaded early each the other way round from the shipped build
-(``BackwardConfig.hoist_tables``, ``early_streams``).
+(``BackwardConfig.hoist_tables``, ``early_streams``); and the DiT family's forms.
 """
 
 import dataclasses
@@ -14,7 +14,7 @@ import pytest
 import torch
 from h3_fused.kernels.launch_backward import Needs, backward_config, launch_backward
 from h3_fused.kernels.reference import reference_backward
-from h3_fused.kernels.testing import backward_inputs
+from h3_fused.kernels.testing import FamilyForm, backward_inputs, family_backward_inputs
 
 pytestmark = pytest.mark.gpu
 ONLY_ACTIVATIONS = Needs(gate=False, weight=False, shift=False, scale=False)
@@ -54,3 +54,26 @@ def test_every_backward_build_at_the_edge_sizes_matches_the_reference(variant, h
                 tolerance = (1e-3 if hidden == 1 else 1e-5) * largest
             torch.testing.assert_close(got[name], expected[name], rtol=2 ** -7, atol=tolerance,
                                        msg=lambda m, name=name: f"{site} {policy} T={tokens} {name}: {m}")
+
+
+FAMILY = [(FamilyForm("layer", "per_sample"), False), (FamilyForm("layer", "per_token", True), False),
+          (FamilyForm("rms", "one_for_all"), False), (FamilyForm("layer", "per_token"), True)]
+
+
+@pytest.mark.parametrize("hidden", [1, 31, 101, 5120])
+@pytest.mark.parametrize("form, shared_rows", FAMILY,
+                         ids=["layer-per_sample", "layer-per_token-fp32", "rms-one_for_all", "layer-shared_per_token"])
+def test_the_family_forms_at_the_edge_sizes_match_the_reference(form, shared_rows, hidden):
+    """The DiT family's forms (``family_backward_inputs``): a LayerNorm, rows per sample, per token (fp32, their
+    sums compensated), one for all (an index in the rows' own order) or shared by the samples (sorted), two
+    samples of T in {1, 3, 257} tokens, all gradients and the activations' alone, the shipped configuration."""
+    for tokens, site, needs in itertools.product((1, 3, 257), "ABC", (Needs(), ONLY_ACTIVATIONS)):
+        saved, a, rows = family_backward_inputs(site, form, 2, tokens, hidden, seed=tokens, shared_rows=shared_rows)
+        got = launch_backward(a, *rows, needs, lambda kernel: kernel, ordered_index=saved.ordered_index)
+        expected = reference_backward(a, *rows, needs)
+        assert got.keys() == expected.keys()
+        for name in expected:
+            largest = expected[name].float().abs().max().item()
+            tolerance = (1e-3 if hidden == 1 else 2 ** -6 if got[name].dtype != torch.float32 else 1e-5) * largest
+            torch.testing.assert_close(got[name], expected[name], rtol=2 ** -7, atol=tolerance,
+                                       msg=lambda m, name=name: f"{site} T={tokens} {name}: {m}")

@@ -15,7 +15,7 @@ import torch
 from h3_fused.kernels.backward import SavedSite, rows_of
 from h3_fused.kernels.launch_backward import BackwardConfig, Needs, launch_backward
 from h3_fused.kernels.reference import reference_backward
-from h3_fused.kernels.testing import FamilyForm, family_inputs, family_rows, site_tensors
+from h3_fused.kernels.testing import FamilyForm, family_backward_inputs, site_tensors
 
 pytestmark = pytest.mark.interpreted
 bf16 = torch.bfloat16
@@ -137,27 +137,6 @@ def test_an_index_out_of_range_fails_the_kernels_assertion(bad, needs):
         both(t, "bf16", False, needs)
 
 
-def family_saved(site, form, tokens, hidden, shared_rows=False, seed=0):
-    """A site of a DiT family ``form`` as its backward receives it: the rows given as the model gives them, restated
-    as tables gathered by an index (``SavedSite.gathered``); ``shared_rows``: one row per token shared by the two
-    samples (``[1, T, H]``, an index whose order is not the rows')."""
-    t = family_inputs(site, form, 2, tokens, hidden, device="cpu", seed=seed)
-    shift, scale, gate = family_rows(form, t["modulation"], t.get("choice"))
-    if shared_rows:
-        shift, scale, gate = (r[:1] for r in (shift, scale, gate))
-    lead = t.get("x", t.get("residual"))
-    incoming = family_inputs(site, form, 2, tokens, hidden, device="cpu", seed=seed + 1)
-    normed, gated = site != "C", site != "A"
-    saved = SavedSite(lead if normed else None, t["branch"] if gated else None, gate if gated else None, None,
-                      shift if normed else None, scale if normed else None, None, eps=1e-6, policy="bf16",
-                      norm_rounds_before_weight=form.norm == "diffusers_rms", upcast_tables=False,
-                      norm="layer" if form.norm == "layer" else "rms", norm_in_fp32=form.in_fp32).gathered(lead.shape)
-    du = incoming["branch"] if gated else None
-    a = saved.forward_args(du)
-    dy = incoming.get("x", incoming.get("residual")) if normed else None
-    return saved, a, tuple(rows_of(v, a, name) for v, name in ((saved.u, "u"), (dy, "dy"), (du, "du")))
-
-
 @pytest.mark.parametrize("site", ["A", "B", "C"])
 @pytest.mark.parametrize("form, shared_rows", [
     (FamilyForm("layer", "per_sample"), False), (FamilyForm("layer", "per_token", True), False),
@@ -170,7 +149,7 @@ def test_family_forms_match_the_reference(site, form, shared_rows):
     samples (sorted); a LayerNorm (its mean and the mean of ``dxhat`` besides an RMSNorm's sums); the norm of the
     fp32 upcast with fp32 rows (the input gradient rounded, the norm's output gradient not; the table sums
     compensated); in 32-column chunks of H = 101 on several programs."""
-    saved, a, rows = family_saved(site, form, 23, 101, shared_rows)
+    saved, a, rows = family_backward_inputs(site, form, 2, 23, 101, device="cpu", shared_rows=shared_rows)
     assert saved.ordered_index == (not shared_rows)
     config = BackwardConfig(32, 1, 8, 6)
     got = launch_backward(a, *rows, Needs(), lambda kernel: kernel, config, ordered_index=saved.ordered_index)
