@@ -59,18 +59,26 @@ def _everywhere(flag, lanes):
 
 
 @triton.jit
+def _kahan_at(acc, c: tl.constexpr, y):
+    """``acc`` (chunk sums, then their Kahan compensations) with ``y``, the value less chunk ``c``'s compensation,
+    added to chunk ``c`` by Kahan's step."""
+    CHUNKS: tl.constexpr = len(acc) // 2
+    total = acc[c] + y
+    lost = (total - acc[c]) - y
+    out = ()
+    for j in tl.static_range(len(acc)):
+        out = out + (total,) if j == c else out + (lost,) if j == CHUNKS + c else out + (acc[j],)
+    return out
+
+
+@triton.jit
 def _add_at(acc, c: tl.constexpr, value, COMPENSATED: tl.constexpr):
     """``acc`` with ``value`` added to its chunk ``c``. ``COMPENSATED``: ``acc`` holds the chunks' sums, then their
     Kahan compensations (``_zeros`` of twice the chunks), and the addition is Kahan's."""
-    out = ()
     if COMPENSATED:
-        CHUNKS: tl.constexpr = len(acc) // 2
-        y = value - acc[CHUNKS + c]
-        total = acc[c] + y
-        lost = (total - acc[c]) - y
-        for j in tl.static_range(len(acc)):
-            out = out + (total,) if j == c else out + (lost,) if j == CHUNKS + c else out + (acc[j],)
+        out = _kahan_at(acc, c, value - acc[len(acc) // 2 + c])
     else:
+        out = ()
         for j in tl.static_range(len(acc)):
             out = out + (acc[j] + value,) if j == c else out + (acc[j],)
     return out
@@ -78,10 +86,10 @@ def _add_at(acc, c: tl.constexpr, value, COMPENSATED: tl.constexpr):
 
 @triton.jit
 def _add_product_at(acc, c: tl.constexpr, a, b, COMPENSATED: tl.constexpr):
-    """``acc`` with ``a * b`` added to its chunk ``c``: by one FMA, or ``COMPENSATED`` (``_add_at``) the fp32
-    product."""
+    """``acc`` with ``a * b`` added to its chunk ``c`` by one FMA; ``COMPENSATED`` (``_add_at``): by Kahan's step,
+    the product less the compensation one FMA."""
     if COMPENSATED:
-        out = _add_at(acc, c, a * b, True)
+        out = _kahan_at(acc, c, tl.fma(a, b, -acc[len(acc) // 2 + c]))
     else:
         out = ()
         for j in tl.static_range(len(acc)):
@@ -119,6 +127,24 @@ def _normed_input_gradient(dy, scale, w, act: tl.constexpr, HAS_WEIGHT: tl.const
 
 
 @triton.jit
+def _dxhat_plus(dy, scale, w, addend, act: tl.constexpr, HAS_WEIGHT: tl.constexpr, ROUND_NORM: tl.constexpr,
+                ROUND_AFFINE: tl.constexpr, INTERPRETED: tl.constexpr):
+    """``dxhat + addend`` (a LayerNorm's ``dxhat``: never rounded before its weight), the product that makes
+    ``dxhat`` written out as one FMA with the add, so that no compiler contracts it otherwise."""
+    p = rounded(1.0 + scale.to(tl.float32), act, INTERPRETED) if ROUND_AFFINE else 1.0 + widened(scale)
+    if HAS_WEIGHT:
+        dn = widened(dy) * p
+        if ROUND_NORM:
+            dn = rounded(dn, act, INTERPRETED)
+        total = tl.fma(dn, widened(w), addend)
+    elif ROUND_NORM:
+        total = rounded(widened(dy) * p, act, INTERPRETED) + addend
+    else:
+        total = tl.fma(widened(dy), p, addend)
+    return total
+
+
+@triton.jit
 def _input_gradients(dy, u32, r, minus_mean_product, minus_mean_dxhat, du, scale, w, act: tl.constexpr,
                      HAS_GATE: tl.constexpr, HAS_NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr,
                      LAYER_NORM: tl.constexpr, ROUND_NORM: tl.constexpr, ROUND_NORM_BEFORE_WEIGHT: tl.constexpr,
@@ -133,7 +159,8 @@ def _input_gradients(dy, u32, r, minus_mean_product, minus_mean_dxhat, du, scale
         dn, dxhat = _normed_input_gradient(dy, scale, w, act, HAS_WEIGHT, ROUND_NORM, ROUND_NORM_BEFORE_WEIGHT,
                                            ROUND_AFFINE, INTERPRETED)
         if LAYER_NORM:  # dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)
-            centred = tl.fma(xhat, minus_mean_product, dxhat + minus_mean_dxhat)
+            centred = tl.fma(xhat, minus_mean_product, _dxhat_plus(dy, scale, w, minus_mean_dxhat, act, HAS_WEIGHT,
+                                                                    ROUND_NORM, ROUND_AFFINE, INTERPRETED))
         else:  # dxhat - xhat * mean(dxhat * xhat), one rounding
             centred = tl.fma(xhat, minus_mean_product, dxhat)
         if ROUND_INPUT_GRADIENT:
@@ -264,7 +291,9 @@ def modulation_backward_kernel(
                     sums = tl.zeros([CHUNK], tl.float32)
                     for c in tl.static_range(CHUNKS):
                         sums += widened(us[c])
-                    mean = tl.sum(sums, axis=0) * tl.cast(1.0 / HIDDEN, tl.float32)
+                    # the means as FMAs with +0 (the same values): a product would contract into the adds that
+                    # take them
+                    mean = tl.fma(tl.sum(sums, axis=0), tl.cast(1.0 / HIDDEN, tl.float32), 0.0)
                 squares = tl.zeros([CHUNK], tl.float32)
                 products = tl.zeros([CHUNK], tl.float32)
                 dxhats = tl.zeros([CHUNK], tl.float32)
@@ -281,13 +310,14 @@ def modulation_backward_kernel(
                                                       ROUND_NORM_BEFORE_WEIGHT, ROUND_AFFINE, INTERPRETED)
                     products = tl.fma(dxhat, u32, products)
                     if LAYER_NORM:
-                        dxhats += dxhat
+                        dxhats = _dxhat_plus(dys[c], scale, w, dxhats, act, HAS_WEIGHT, ROUND_NORM, ROUND_AFFINE,
+                                             INTERPRETED)
                 r = rsqrt(tl.fma(tl.sum(squares, axis=0), tl.cast(1.0 / HIDDEN, tl.float32), tl.cast(eps, tl.float32)),
                           INTERPRETED)
                 # -mean(dxhat * xhat): the sign in the constant, the same bits as negating the mean
                 minus_mean_product = tl.sum(products, axis=0) * r * tl.cast(-1.0 / HIDDEN, tl.float32)
                 if LAYER_NORM:
-                    minus_mean_dxhat = tl.sum(dxhats, axis=0) * tl.cast(-1.0 / HIDDEN, tl.float32)
+                    minus_mean_dxhat = tl.fma(tl.sum(dxhats, axis=0), tl.cast(-1.0 / HIDDEN, tl.float32), 0.0)
             for c in tl.static_range(CHUNKS):  # pass 2: the row's gradients
                 cols = c * CHUNK + lanes
                 ok = cols < HIDDEN

@@ -36,6 +36,7 @@ import operator
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from torch.fx import Node
 
 from .graph_view import (
@@ -301,6 +302,15 @@ def _match_native_layer_norm(n: Node, act: torch.dtype, hidden: int, bias_allowe
                 [n, stats], "layer", in_fp32, _weight_source(bias, hidden, "bias") if bias is not None else None)
 
 
+RMS_NORM_FUNCTIONS = (torch.rms_norm, F.rms_norm, torch.nn.RMSNorm)  # eager runs torch's fused RMSNorm kernel
+
+
+def _traced_from_rms_norm(nodes: list[Node]) -> bool:
+    """Whether Dynamo traced ``nodes`` from a call of ``F.rms_norm`` (or ``nn.RMSNorm``), as their
+    ``source_fn_stack`` records (not from a mean of the squares written out)."""
+    return any(fn in RMS_NORM_FUNCTIONS for n in nodes for _, fn in n.meta.get("source_fn_stack", ()))
+
+
 def match_norm(n: object, act: torch.dtype, hidden: int, bias_allowed: bool = False) -> Norm:
     """``n`` is the norm's output: in the activation dtype ``act``, or in fp32 where the norm is computed on the
     activations upcast to fp32 (``Norm.in_fp32``). ``bias_allowed``: a LayerNorm may add a bias (``+ b``, ``[H]``,
@@ -341,8 +351,9 @@ def match_norm(n: object, act: torch.dtype, hidden: int, bias_allowed: bool = Fa
     expect(not (before and kind == "layer"), "a LayerNorm rounded before its weight is not fused")
     expect(bias is None or kind == "layer", "an RMSNorm that adds a bias")
     # an RMSNorm without weight whose mean of the squares is written out (diffusers' ``RMSNorm``, LTX-Video's) is
-    # the native spelling: on CUDA torch's generic reduction computes its mean; it rounds once either way
-    before = before or (kind == "rms" and weight is None)
+    # the native spelling: on CUDA torch's generic reduction computes its mean; it rounds once either way. The same
+    # nodes traced from ``F.rms_norm`` (their source function says so) are its fused kernel's: that kernel's order
+    before = before or (kind == "rms" and weight is None and not _traced_from_rms_norm(core_nodes))
     return Norm(x, weight, eps, before, nodes + core_nodes, kind, in_fp32, bias)
 
 

@@ -14,6 +14,7 @@ import re
 import subprocess
 import tempfile
 
+import torch
 import triton
 from h3_fused.kernels.arguments import check_args
 from h3_fused.kernels.backward_kernel import modulation_backward_kernel
@@ -21,7 +22,14 @@ from h3_fused.kernels.forward_kernel import modulation_kernel
 from h3_fused.kernels.launch import ForwardSpecialisation
 from h3_fused.kernels.launch_backward import Needs, backward_config, backward_specialisation
 from h3_fused.kernels.launch_plan import constexprs
-from h3_fused.kernels.testing import backward_inputs, make_inputs, shipped_launch_config, shipped_sum_order
+from h3_fused.kernels.testing import (
+    FamilyForm,
+    backward_inputs,
+    family_backward_inputs,
+    make_inputs,
+    shipped_launch_config,
+    shipped_sum_order,
+)
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
@@ -56,15 +64,23 @@ def compile_site(site: str, policy: str, hidden: int, config=None, index: str = 
                           options=dict(num_warps=config.num_warps, debug=True, enable_fp_fusion=fp_fusion))
 
 
-def compile_backward(site: str, policy: str, hidden: int, fp_fusion: bool = True):
+def compile_backward(site: str, policy: str, hidden: int, fp_fusion: bool = True, form: FamilyForm | None = None):
     """``modulation_backward_kernel`` compiled for sm_90 as the backward launches it for ``site`` with every
-    gradient asked for, at symbolic row counts; ``fp_fusion``: Triton's ``enable_fp_fusion``."""
-    a, rows = backward_inputs(site, 4, hidden, device="cpu", policy=policy)
+    gradient asked for, at symbolic row counts; ``fp_fusion``: Triton's ``enable_fp_fusion``; ``form``: a DiT
+    family form's site (``family_backward_inputs``), else H3's."""
+    if form is None:
+        a, rows = backward_inputs(site, 4, hidden, device="cpu", policy=policy)
+        ordered = False
+    else:
+        saved, a, rows = family_backward_inputs(site, form, 1, 4, hidden, device="cpu", policy=policy)
+        ordered = saved.ordered_index
     config = backward_config(hidden, a.rows, a.device, site != "C", site != "A")
-    spec = backward_specialisation(a, Needs(), config)
+    spec = backward_specialisation(a, Needs(), config, ordered)
     constants = constexprs(spec) | dict(INTERPRETED=False)
     names = modulation_backward_kernel.arg_names
-    pointer_types = dict(idx_ptr="*i64", order_ptr="*i64", seg_ptr="*i64")
+    table = a.gate if a.gate is not None else a.scale
+    pointer_types = dict(idx_ptr="*i32" if a.index.dtype == torch.int32 else "*i64", order_ptr="*i64", seg_ptr="*i64",
+                         **{name: "*fp32" for name in ("gate_ptr", "scale_ptr", "w_ptr") if table.dtype == torch.float32})
     signature = {name: "constexpr" if name in constants else pointer_types.get(name, "*fp32" if
                  name.startswith("part_") else "*bf16") if name.endswith("_ptr") else "fp32" if name == "eps" else "i32"
                  for name in names}

@@ -82,3 +82,21 @@ def test_each_site_of_the_benchmarks_forms_is_one_fused_site(form):
         tolerance = dict(rtol=0, atol=0) if inductor_matches_eager_on_cpu() else dict(rtol=2 ** -6, atol=2 ** -6)
         for g, e in zip(*((got, eager(**inputs)) if site == "B" else ((got,), (eager(**inputs),)))):
             torch.testing.assert_close(g.float(), e.float(), **tolerance)
+
+
+@pytest.mark.usefixtures("fresh_compile")
+@pytest.mark.parametrize("norm, mean_order", [("rms", False), ("diffusers_rms", True)])
+def test_an_rms_norm_without_weight_takes_the_order_of_the_kernel_eager_runs(norm, mean_order, monkeypatch):
+    """Without a weight ``F.rms_norm`` and diffusers' ``RMSNorm`` decompose alike; eager runs torch's fused RMSNorm
+    kernel for the first, its generic mean for the second. The site takes the order of the one its nodes were
+    traced from (``norm_rounds_before_weight``: the mean's order)."""
+    import h3_fused.patterns.replacements as replacements
+
+    flags = []
+    replace = replacements.replacement_fn
+    monkeypatch.setattr(replacements, "replacement_fn",
+                        lambda site, policy: flags.append(site.norm_rounds_before_weight) or replace(site, policy))
+    form = FamilyForm(norm, "per_sample")
+    inputs = family_inputs("A", form, 2, 9, 64, device="cpu")
+    torch.compile(family_eager_site("A", form), backend="h3_fused")(**inputs)
+    assert flags == [mean_order]

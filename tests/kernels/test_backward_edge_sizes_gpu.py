@@ -74,6 +74,8 @@ def test_the_family_forms_at_the_edge_sizes_match_the_reference(form, shared_row
         assert got.keys() == expected.keys()
         for name in expected:
             largest = expected[name].float().abs().max().item()
-            tolerance = (1e-3 if hidden == 1 else 2 ** -6 if got[name].dtype != torch.float32 else 1e-5) * largest
+            tolerance = (2 ** -6 if got[name].dtype != torch.float32 else 1e-5) * largest
+            if hidden == 1:  # a LayerNorm of one column is 0: its input gradient is fp32's error times rsqrt(eps)
+                tolerance = 1e-3 * max(largest, 1.0)
             torch.testing.assert_close(got[name], expected[name], rtol=2 ** -7, atol=tolerance,
                                        msg=lambda m, name=name: f"{site} T={tokens} {name}: {m}")

@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from h3_fused.kernels.testing import shipped_launch_config
+from h3_fused.kernels.testing import FamilyForm, shipped_launch_config
 from sass import compile_backward, compile_site
 
 HIDDEN = 5376
@@ -118,6 +118,18 @@ def test_the_builds_do_not_depend_on_triton_contracting_multiply_adds(site, poli
     backward = [compile_backward(site, policy, HIDDEN, fp_fusion=on).asm["ptx"] for on in (True, False)]
     for contracted, apart in (forward, backward):
         assert float_arithmetic(contracted) == float_arithmetic(apart)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("site", ["A", "B", "C"])
+@pytest.mark.parametrize("form", [FamilyForm("layer", "per_sample"), FamilyForm("layer", "per_token", True)],
+                         ids=["layer-per_sample", "layer-per_token-fp32"])
+def test_the_family_backward_builds_do_not_depend_on_triton_contracting_multiply_adds(site, form):
+    """The backward of a LayerNorm site with rows given per sample (bf16), or per token in fp32 (the norm of the
+    fp32 upcast; the sums compensated): every multiply-add written out, so the same float instructions whether
+    or not Triton contracts them (a compensated sum contracted would lose what it compensates)."""
+    builds = [compile_backward(site, "bf16", HIDDEN, fp_fusion=on, form=form).asm["ptx"] for on in (True, False)]
+    assert float_arithmetic(builds[0]) == float_arithmetic(builds[1])
 
 
 @pytest.mark.parametrize("site", ["A", "B"])
