@@ -127,7 +127,12 @@ def blocks_part(models, rows: list, save) -> None:
                 fn = compiled(model, variant, regional)
                 got = fn(**inputs)[0]
                 call = lambda fn=fn, inputs=inputs: fn(**inputs)  # noqa: E731
-                ms = do_bench(call, return_mode="median")
+                gc.collect()
+                gc.disable()  # two blocks at a few thousand tokens are bound by the host: no collection of the
+                try:  # compiles' leftovers inside the timing (as timeit), which slowed the later variants of a run
+                    ms = do_bench(call, return_mode="median")
+                finally:
+                    gc.enable()
                 kernels = len(cuda_kernels(call))
             rows.append(dict(part="blocks", model=model_name, variant=variant, mode="regional" if regional else "whole",
                              T=family.tokens[1], ms=ms, kernels=kernels, equal=torch.equal(got, expected),

@@ -48,15 +48,27 @@ def eager_numerics_patches() -> dict:
     return {name: True for name in EAGER_NUMERICS if name in known}
 
 
+# Inductor launches the Triton kernels of user ops (ours) through Triton's own launcher unless told it may use
+# its static launcher, as it does for the kernels it generates; where this torch has the setting, it is on
+STATIC_LAUNCH = "static_launch_user_defined_triton_kernels"
+
+
+def static_launch_patches() -> dict:
+    """``{STATIC_LAUNCH: True}`` where this torch's Inductor config has the setting, else nothing."""
+    return {STATIC_LAUNCH: True} if STATIC_LAUNCH in inductor_config.get_config_copy() else {}
+
+
 def make_config_patches(options: dict | None = None, mode: str | None = None,
                         device: torch.device = torch.device("cpu"), fuse_post_grad: bool = True,
                         source: str | None = None) -> dict:
-    """Inductor config patches for one compile: mode options, under the ``bf16`` policy Inductor's settings for
-    eager's numerics (``eager_numerics_patches``), the caller's options (which override both), and our pass
+    """Inductor config patches for one compile: mode options, the static launch of our kernels
+    (``static_launch_patches``), under the ``bf16`` policy Inductor's settings for eager's numerics
+    (``eager_numerics_patches``), the caller's options (which override both), and our pass
     (``fuse_post_grad=False``: it only chains the user's passes, the sites having been fused before autograd;
     ``source``: the code of the Dynamo graph compiled, ``H3FusionPass.source``)."""
     fusion, inductor_options = FusionOptions.split(options)
     patches = dict(list_mode_options(mode)) if mode else {}
+    patches.update(static_launch_patches())
     if resolve_policy(fusion.dtype_policy, device) == "bf16":
         patches.update(eager_numerics_patches())
     chained = _user_post_pass_setting(inductor_options)
