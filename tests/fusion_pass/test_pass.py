@@ -244,3 +244,13 @@ def test_two_dynamo_graphs_that_lower_to_one_inductor_graph_count_their_own_site
                 t["x"], t["scale"], t["shift"], t["idx"])
             counted.append((counters["h3_fused"]["norm_modulate"], counters["inductor"]["fxgraph_cache_hit"]))
     assert counted == [(1, 0), (1, 0)]
+
+
+def test_our_kernels_are_launched_statically_unless_the_caller_says_otherwise():
+    """Inductor's static launcher for our (user-defined) Triton kernels, where this torch has the setting; the
+    caller's options still win."""
+    known = "static_launch_user_defined_triton_kernels" in torch._inductor.config.get_config_copy()
+    assert h3_fused.make_config_patches({}).get("static_launch_user_defined_triton_kernels") is (True if known else None)
+    if known:
+        off = h3_fused.make_config_patches({"static_launch_user_defined_triton_kernels": False})
+        assert off["static_launch_user_defined_triton_kernels"] is False
