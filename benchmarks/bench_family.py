@@ -18,7 +18,6 @@ One JSON list of rows in ``--out`` (overwritten after each model).
 
 from __future__ import annotations
 
-import argparse
 import gc
 import os
 import sys
@@ -31,7 +30,7 @@ from h3_fused.kernels.testing import (
     family_inputs,
     family_minimal_bytes,
 )
-from record import write_results
+from record import run_parts
 from timing import copy_bandwidth, copy_same_bytes_ms, cuda_kernels, graph_ms, mismatch
 from torch._dynamo.utils import counters
 from triton.testing import do_bench
@@ -147,14 +146,7 @@ def blocks_part(models, rows: list, save) -> None:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default="benchmarks/results/family.json")
-    parser.add_argument("--parts", nargs="+", default=["sites", "blocks"], choices=["sites", "blocks"])
-    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
-    args = parser.parse_args()
-    rows = []
-    for part in args.parts:
-        {"sites": sites_part, "blocks": blocks_part}[part](args.models, rows, lambda: write_results(args.out, rows))
+    run_parts(__doc__, "benchmarks/results/family.json", {"sites": sites_part, "blocks": blocks_part}, list(MODELS))
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ One JSON list of rows in ``--out`` (overwritten after each model).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import gc
 import os
@@ -28,7 +27,7 @@ import torch
 from bench_family import MODELS, SITE_VARIANTS, fresh
 from bench_training import Step, relative_errors
 from h3_fused.kernels.testing import family_eager_site, family_fused_site, family_inputs
-from record import write_results
+from record import run_parts
 from timing import call_ms, copy_bandwidth, graph_ms
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
@@ -111,21 +110,8 @@ def lora_part(models, rows: list, save, steps: int = 5) -> None:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default="benchmarks/results/family_training.json")
-    parser.add_argument("--parts", nargs="+", default=["sites", "lora"], choices=["sites", "lora"])
-    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
-    args = parser.parse_args()
-    rows: list[dict] = []
-
-    def save():
-        write_results(args.out, rows)
-
-    if "sites" in args.parts:
-        sites_part(args.models, rows, save)
-    if "lora" in args.parts:
-        lora_part(args.models, rows, save)
-    save()
+    run_parts(__doc__, "benchmarks/results/family_training.json", {"sites": sites_part, "lora": lora_part},
+              list(MODELS))
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ the current numbers, git their history. ``benchmarks/results/`` holds one such f
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -37,3 +38,17 @@ def write_results(path: str, rows: list[dict]) -> None:
 def read_results(path: str) -> list[dict]:
     with open(path) as f:
         return json.load(f)
+
+
+def run_parts(description: str, default_out: str, parts: dict, models: list[str]) -> None:
+    """The command line of a benchmark measured in named ``parts`` (``{name: part(models, rows, save)}``, each
+    calling ``save()`` after each model), over ``models``: ``--out``, ``--parts``, ``--models``; the rows are
+    written to ``--out`` as they come."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=default_out)
+    parser.add_argument("--parts", nargs="+", default=list(parts), choices=list(parts))
+    parser.add_argument("--models", nargs="+", default=list(models), choices=list(models))
+    args = parser.parse_args()
+    rows: list[dict] = []
+    for part in args.parts:
+        parts[part](args.models, rows, lambda: write_results(args.out, rows))
