@@ -25,10 +25,10 @@ def step(fn, model, inputs):
     return out, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("name, mode", [("flux", "whole"), ("wan", "regional"), ("qwen_image_edit", "whole")])
+@pytest.mark.parametrize("name, mode", [("flux", "whole"), ("wan", "regional"), ("qwen_image_edit", "regional")])
 def test_training_compiles_fuse_every_site_with_its_backward(name, mode):
-    """Flux (LayerNorm, rows per sample), Wan by blocks (the norm of the fp32 upcast, fp32 rows) and
-    Qwen-Image-Edit (rows chosen per token between two): the inference compile's sites, each with its backward."""
+    """Flux whole (LayerNorm, rows per sample), Wan (the norm of the fp32 upcast, fp32 rows) and Qwen-Image-Edit
+    (rows chosen per token between two) by blocks: the inference compile's sites, each with its backward."""
     model, inputs = MODELS[name].example("cpu", real=False)
     model.train()
     expected, expected_grads = step(model, model, inputs)
@@ -46,7 +46,11 @@ def test_training_compiles_fuse_every_site_with_its_backward(name, mode):
     assert spy.count("h3_fused.reference_modulation_backward.default") == sum(fused[op] for op in OPS)
     assert not spy.scatters(), "no row gradient is left to a scatter"
     assert_bf16_policy(got, expected)
-    assert_gradients_close(grads, expected_grads)
+    # a block graph computes the gradients of outputs the model then drops (the last block's text stream) as zeros,
+    # where eager leaves them None: plain Inductor does the same
+    unused = set(grads) - set(expected_grads)
+    assert all(not grads[name].any() for name in unused), unused
+    assert_gradients_close({k: g for k, g in grads.items() if k not in unused}, expected_grads)
 
 
 @pytest.mark.parametrize("name, regional, checkpointing", [("flux", False, False), ("wan", True, True)],
