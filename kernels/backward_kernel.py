@@ -30,7 +30,9 @@ row ``k``'s rows are sorted positions ``seg[k]`` to ``seg[k + 1] - 1``), so that
 table row are contiguous (``ORDERED_INDEX``: the index is nondecreasing, as for rows given per sample, per
 token or one for all, so the rows' own order is sorted and ``order`` is not read): it sums them and writes the
 sums to slot ``program + k`` of a partial buffer (distinct slots: programs and table rows both increase along
-the sorted order). Without ``SORTED`` a program
+the sorted order). ``ROW_PER_KEY`` (rows given one per token: each table row has one row's contribution): the
+table gradients are stored as each row computes them, rounded once, in place of the partial buffers (no
+``SORTED``). Without ``SORTED`` a program
 writes one slot, ``program``. ``reduce_partials_kernel`` then sums each table row's slots, and the weight's,
 in program order and rounds once: no atomics, the same bits on every run.
 """
@@ -107,6 +109,14 @@ def _flush(acc, part_ptr, slot, write, lanes, CHUNK: tl.constexpr, HIDDEN: tl.co
         cols = c * CHUNK + lanes
         total = acc[c] - acc[CHUNKS + c] if COMPENSATED else acc[c]
         tl.store(part_ptr + slot * HIDDEN + cols, total, mask=(cols < HIDDEN) & written)
+
+
+@triton.jit
+def _store_row(ptr, k, cols, ok, value, HIDDEN: tl.constexpr, INTERPRETED: tl.constexpr):
+    """Row ``k`` of a ``[K, H]`` gradient (columns ``cols``) where each table row has one row's contribution
+    (``ROW_PER_KEY``): ``value``, rounded once to the gradient's dtype."""
+    out: tl.constexpr = ptr.dtype.element_ty
+    tl.store(ptr + k * HIDDEN + cols, rounded(value, out, INTERPRETED).to(out), mask=ok)
 
 
 @triton.jit
@@ -230,12 +240,13 @@ def modulation_backward_kernel(
     ROUND_AFFINE: tl.constexpr, ROUND_INPUT_GRADIENT: tl.constexpr,
     NEED_X: tl.constexpr, NEED_BRANCH: tl.constexpr, NEED_SHIFT: tl.constexpr, NEED_SCALE: tl.constexpr,
     NEED_GATE: tl.constexpr, NEED_W: tl.constexpr, SORTED: tl.constexpr, ORDERED_INDEX: tl.constexpr,
+    ROW_PER_KEY: tl.constexpr,
     COMPENSATE_TABLES: tl.constexpr, COMPENSATE_W: tl.constexpr, PREFETCH: tl.constexpr,
     HOIST_TABLES: tl.constexpr, EARLY_STREAMS: tl.constexpr, INTERPRETED: tl.constexpr, CHUNK: tl.constexpr,
 ):
     act: tl.constexpr = dx_ptr.dtype.element_ty
     CHUNKS: tl.constexpr = triton.cdiv(HIDDEN, CHUNK)
-    GROUPED: tl.constexpr = NEED_SHIFT or NEED_SCALE or NEED_GATE
+    GROUPED: tl.constexpr = SORTED  # table gradients summed by table row (not ROW_PER_KEY's, stored per row)
     program = tl.program_id(0).to(tl.int64)  # int64 throughout: no int32 overflow checks under debug=True
     begin = program * rows_per_program
     end = tl.minimum(begin + rows_per_program, n_rows)
@@ -336,9 +347,13 @@ def modulation_backward_kernel(
                                                        INTERPRETED)
                 if NEED_W:
                     acc_w = _add_product_at(acc_w, c, dn, normed, COMPENSATE_W)
-                if NEED_SHIFT:
+                if NEED_SHIFT and ROW_PER_KEY:
+                    _store_row(part_shift_ptr, k, cols, ok, widened(dy), HIDDEN, INTERPRETED)
+                elif NEED_SHIFT:
                     acc_shift = _add_at(acc_shift, c, widened(dy), COMPENSATE_TABLES)
-                if NEED_SCALE:
+                if NEED_SCALE and ROW_PER_KEY:
+                    _store_row(part_scale_ptr, k, cols, ok, widened(dy) * n, HIDDEN, INTERPRETED)
+                elif NEED_SCALE:
                     acc_scale = _add_product_at(acc_scale, c, widened(dy), n, COMPENSATE_TABLES)
                 if NEED_X:
                     tl.store(dx_ptr + t * HIDDEN + cols, rounded(du_t, act, INTERPRETED).to(act), mask=ok)
@@ -348,7 +363,10 @@ def modulation_backward_kernel(
                              mask=ok)
                 if NEED_GATE:
                     branch = _chunk_of(branches, c, branch_ptr, t, stride_branch, cols, ok, EARLY_STREAMS, True)
-                    acc_gate = _add_product_at(acc_gate, c, du_t, widened(branch), COMPENSATE_TABLES)
+                    if ROW_PER_KEY:
+                        _store_row(part_gate_ptr, k, cols, ok, du_t * widened(branch), HIDDEN, INTERPRETED)
+                    else:
+                        acc_gate = _add_product_at(acc_gate, c, du_t, widened(branch), COMPENSATE_TABLES)
         if GROUPED:
             slot = program + table_row
             if NEED_SHIFT:

@@ -104,6 +104,7 @@ class BackwardSpecialisation:
     NEED_W: bool
     SORTED: bool
     ORDERED_INDEX: bool
+    ROW_PER_KEY: bool
     COMPENSATE_TABLES: bool
     COMPENSATE_W: bool
     PREFETCH: bool
@@ -129,18 +130,21 @@ def backward_specialisation(a: ModulationArgs, needs: Needs, config: BackwardCon
                             ordered_index: bool = False) -> BackwardSpecialisation:
     """The backward kernel's specialisation for the site ``a`` (the forward's checked arguments), the gradients
     ``needs`` asks for (those the site has), launched with ``config``: sorted by table row where any table
-    gradient is needed (``ordered_index``: the index is nondecreasing, the rows' own order is sorted)."""
+    gradient is needed (``ordered_index``: the index is nondecreasing, the rows' own order is sorted), but where
+    that index is the rows' own (one table row a row: its gradients stored as the rows compute them)."""
     has_gate, has_norm = a.gate is not None, a.scale is not None
     rounding = a.rounding
     need_shift, need_scale, need_gate = needs.shift and has_norm, needs.scale and has_norm, needs.gate and has_gate
+    row_per_key = ordered_index and a.num_table_rows == a.rows
     return BackwardSpecialisation(
         HIDDEN=a.hidden, HAS_GATE=has_gate, HAS_NORM=has_norm, HAS_WEIGHT=a.weight is not None,
         LAYER_NORM=has_norm and a.norm == "layer", ROUND_NORM=rounding.norm_output,
         ROUND_NORM_BEFORE_WEIGHT=rounding.norm_before_weight, ROUND_AFFINE=rounding.affine,
         ROUND_INPUT_GRADIENT=rounding.input_gradient, NEED_X=needs.lead, NEED_BRANCH=needs.branch and has_gate,
         NEED_SHIFT=need_shift, NEED_SCALE=need_scale, NEED_GATE=need_gate,
-        NEED_W=needs.weight and a.weight is not None, SORTED=need_shift or need_scale or need_gate,
-        ORDERED_INDEX=ordered_index, COMPENSATE_TABLES=any(compensated(t) for t in a.tables),
+        NEED_W=needs.weight and a.weight is not None,
+        SORTED=(need_shift or need_scale or need_gate) and not row_per_key, ORDERED_INDEX=ordered_index,
+        ROW_PER_KEY=row_per_key, COMPENSATE_TABLES=any(compensated(t) for t in a.tables),
         COMPENSATE_W=compensated(a.weight),
         PREFETCH=config.prefetch, HOIST_TABLES=config.hoist_tables, EARLY_STREAMS=config.early_streams,
         INTERPRETED=interpreting(), CHUNK=config.chunk)
@@ -188,11 +192,14 @@ def launch_backward(a: ModulationArgs, u: torch.Tensor | None, dy: torch.Tensor 
 
     dy_or_du = dy if dy is not None else du
 
-    def partials(count, wanted):
-        return torch.empty((count, a.hidden), dtype=torch.float32, device=a.device) if wanted else dy_or_du
+    def partials(count, wanted, dtype=torch.float32):
+        return torch.empty((count, a.hidden), dtype=dtype, device=a.device) if wanted else dy_or_du
 
-    slots = config.programs + a.num_table_rows
-    part = {name: partials(slots, wanted) for name, wanted in want.items()}
+    if spec.ROW_PER_KEY:  # the table gradients themselves, written as the rows compute them
+        part = {name: partials(a.num_table_rows, wanted, getattr(a, name).dtype if wanted else None)
+                for name, wanted in want.items()}
+    else:
+        part = {name: partials(config.programs + a.num_table_rows, wanted) for name, wanted in want.items()}
     part["weight"] = partials(config.programs, need_w)
     # a tensor the site has not (or a gradient not asked for) is passed as an alias the kernel never reads
     rows_alias = u if u is not None else du
@@ -210,7 +217,8 @@ def launch_backward(a: ModulationArgs, u: torch.Tensor | None, dy: torch.Tensor 
                  table_alias.stride(0), scale.stride(0), dy.stride(0), du.stride(0)),
         spec=spec,
     )(tensors, wrap)
-    tables = {name: getattr(a, name) for name, wanted in want.items() if wanted}
+    tables = {name: getattr(a, name) for name, wanted in want.items() if wanted and not spec.ROW_PER_KEY}
+    grads |= {name: part[name] for name, wanted in want.items() if wanted and spec.ROW_PER_KEY}
     if need_w:
         tables["weight"] = a.weight
     for name, table in tables.items():

@@ -13,7 +13,7 @@ import itertools
 import pytest
 import torch
 from h3_fused.kernels.backward import SavedSite, rows_of
-from h3_fused.kernels.launch_backward import BackwardConfig, Needs, launch_backward
+from h3_fused.kernels.launch_backward import BackwardConfig, Needs, backward_specialisation, launch_backward
 from h3_fused.kernels.reference import reference_backward
 from h3_fused.kernels.testing import FamilyForm, family_backward_inputs, site_tensors
 
@@ -145,12 +145,15 @@ def test_an_index_out_of_range_fails_the_kernels_assertion(bad, needs):
     ids=["layer-per_sample", "layer-per_token-fp32", "layer-one_for_all", "rms-chosen", "diffusers_rms-per_sample",
          "layer-shared_per_token"])
 def test_family_forms_match_the_reference(site, form, shared_rows):
-    """Rows given per sample, per token, one for all (an index in the rows' own order: no sort) or shared by the
-    samples (sorted); a LayerNorm (its mean and the mean of ``dxhat`` besides an RMSNorm's sums); the norm of the
+    """Rows given per sample, per token, one for all (an index in the rows' own order: no sort; per token, each
+    table row's gradient one row's, stored as it is computed) or shared by the samples (sorted); a LayerNorm (its mean and the mean of ``dxhat`` besides an RMSNorm's sums); the norm of the
     fp32 upcast with fp32 rows (the input gradient rounded, the norm's output gradient not; the table sums
     compensated); in 32-column chunks of H = 101 on several programs."""
     saved, a, rows = family_backward_inputs(site, form, 2, 23, 101, device="cpu", shared_rows=shared_rows)
     assert saved.ordered_index == (not shared_rows)
     config = BackwardConfig(32, 1, 8, 6)
+    per_token = form.source in ("per_token", "chosen") and not shared_rows  # one table row a row: stored, not summed
+    spec = backward_specialisation(a, Needs(), config, saved.ordered_index)
+    assert spec.ROW_PER_KEY is per_token
     got = launch_backward(a, *rows, Needs(), lambda kernel: kernel, config, ordered_index=saved.ordered_index)
     assert_same(got, reference_backward(a, *rows, Needs()))
