@@ -6,8 +6,10 @@ eager's losses within it, by blocks and with diffusers' gradient checkpointing t
 
 import pytest
 import torch
+import torch.nn.functional as F
 from dit_family import MODELS, compile_regionally
 from finetune import finetune
+from h3_fused.kernels.testing import FamilyForm, family_inputs
 from helpers import GraphSpy, assert_bf16_policy, assert_gradients_close
 from test_dit_family import REGIONAL, WHOLE
 from torch._dynamo.utils import counters
@@ -64,3 +66,23 @@ def test_lora_fine_tunes_follow_eager(name, regional, checkpointing):
     got = [loss for loss, _ in finetune(name, "h3_fused", **kwargs)]
     assert sum(counters["h3_fused"][op] for op in OPS) > 0 and counters["h3_fused"]["refused"] == 0
     torch.testing.assert_close(got, expected, rtol=1e-2, atol=1e-2 * max(map(abs, expected)))
+
+
+@pytest.mark.parametrize("mixed", [False, True], ids=["rows_alike", "gate_per_sample_rows_per_token"])
+def test_rows_that_broadcast_differently_are_refused_under_grad_with_the_reason(mixed, h3_fused_log):
+    """The backward restates given rows with one index for all a site's tables: a gate per sample beside shift
+    and scale per token has none, and is refused in a graph that computes gradients, saying so; rows alike fuse."""
+    t = family_inputs("B", FamilyForm("layer", "per_token"), 2, 9, 64, device="cpu")
+
+    def site(residual, branch, modulation):
+        shift, scale, gate = modulation.chunk(6, -1)[:3]
+        gate = gate[:, :1] if mixed else gate
+        u = residual + gate * branch
+        return u, F.layer_norm(u, (64,), eps=1e-6) * (1 + scale) + shift
+
+    leaves = {k: v.detach().requires_grad_() for k, v in t.items()}
+    u, y = torch.compile(site, backend="h3_fused", options={"dtype_policy": "bf16"})(**leaves)
+    (u.float().sum() + y.float().sum()).backward()
+    fused = sum(counters["h3_fused"][op] for op in OPS)
+    reasons = [r.getMessage() for r in h3_fused_log if "broadcast differently" in r.getMessage()]
+    assert (fused, bool(reasons)) == ((0, True) if mixed else (1, False)), (fused, reasons)
