@@ -22,7 +22,7 @@ import contextlib
 
 import torch
 import torch.fx.traceback as fx_traceback
-from h3_fused.patterns import NoMatch, find_sites
+from h3_fused.patterns import NoMatch, Site, find_sites
 from h3_fused.patterns.replacements import splice
 from torch._dynamo import utils as dynamo_utils
 from torch._guards import detect_fake_mode
@@ -100,7 +100,7 @@ def _fuse(gm: GraphModule, example_inputs, options: FusionOptions) -> GraphModul
         traced = make_fx(dispatch_functionalize(_Retracer(gm).run), tracing_mode="real")(*fakes)
     traced.graph.eliminate_dead_code()
     sites = []
-    for site in find_sites(traced.graph, refuse, note=log.debug):
+    for site in find_sites(traced.graph, refuse, note=log.debug, unmergeable=Site.without_fused_backward):
         missing = site.without_fused_backward()
         if missing is None:
             sites.append(site)

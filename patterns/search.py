@@ -62,10 +62,12 @@ def _ready_before_use(site: Site, position: dict[Node, int]) -> None:
         position[node] = position[first_use] - 1 + (k + 1) / (len(chain) + 1)
 
 
-def find_sites(graph: Graph, refuse: Callable[[Node, NoMatch, str], None], note=lambda message: None) -> list[Site]:
+def find_sites(graph: Graph, refuse: Callable[[Node, NoMatch, str], None], note=lambda message: None,
+               unmergeable: Callable[[Site], str | None] = lambda site: None) -> list[Site]:
     """The sites of ``graph`` in graph order of their matching: A (or B, merged), then the C not merged.
     ``refuse(node, why, kind)`` hears of every candidate that is not a site (``kind``: what it looked like);
-    ``note`` of merges not made."""
+    ``note`` of merges not made; ``unmergeable(site)``: why a merged site would not do where its two parts would
+    (in a graph that computes gradients, what the merged site's backward lacks), or None."""
     a_sites: dict[Node, Site] = {}
     c_sites: dict[Node, Site] = {}
     for node in graph.nodes:
@@ -89,6 +91,8 @@ def find_sites(graph: Graph, refuse: Callable[[Node, NoMatch, str], None], note=
         if c is not None:
             try:
                 site = merge_gate_and_norm(c, a)
+                why = unmergeable(site)
+                expect(why is None, why)
                 _ready_before_use(site, position)
                 sites.append(site)
                 merged.add(c.outputs[0])

@@ -582,7 +582,7 @@ class Site:
     def without_fused_backward(self) -> str | None:
         """What of this site the fused backward does not cover (``kernels.autograd``), or None: it restates rows
         given without an index as tables gathered by one index, which rows that broadcast differently (a gate
-        per sample beside shift and scale per token) do not share."""
+        per sample beside shift and scale per token, where a gated residual and its norm merge) do not share."""
         if self.gathered or self.inputs.get("choice") is not None:
             return None
         rank = len(shape_of(self.lead) or ())
