@@ -18,15 +18,14 @@ One JSON list of rows in ``--out`` (overwritten after each model).
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import os
 import sys
 
 import torch
 from bench_family import MODELS, SITE_VARIANTS, fresh
-from bench_training import Step, relative_errors
-from h3_fused.kernels.testing import family_eager_site, family_fused_site, family_inputs
+from bench_training import Step, in_fp64, relative_errors
+from h3_fused.kernels.testing import family_eager_site, family_exact_site, family_fused_site, family_inputs
 from record import run_parts
 from timing import call_ms, copy_bandwidth, graph_ms
 
@@ -50,13 +49,6 @@ def minimal_step_bytes(site: str, inputs: dict) -> int:
     return STREAMS[site] * lead.numel() * lead.element_size() + 3 * ROWS_READ[site] * per_token_rows
 
 
-def exact_gradients(site: str, form, inputs: dict) -> dict:
-    """The fp64 gradients of the site's math (none of the form's fp32 casts)."""
-    exact = dataclasses.replace(form, in_fp32=False, norm="rms" if form.norm == "diffusers_rms" else form.norm)
-    fp64 = {k: v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in inputs.items()}
-    return Step(family_eager_site(site, exact), fp64)()
-
-
 def sites_part(models, rows: list, save) -> None:
     roof = copy_bandwidth()
     print(f"copy bandwidth {roof:.0f} GB/s on {torch.cuda.get_device_name()}", flush=True)
@@ -65,7 +57,7 @@ def sites_part(models, rows: list, save) -> None:
         for site in ("A", "B", "C"):
             fresh()
             inputs = family_inputs(site, form, 1, TOKENS, hidden)
-            exact = exact_gradients(site, form, inputs)
+            exact = Step(family_exact_site(site, form), in_fp64(inputs))()
             nbytes = minimal_step_bytes(site, inputs)
             case = dict(part="sites", model=model, site=site, T=TOKENS, H=hidden, norm=form.norm, source=form.source,
                         in_fp32=form.in_fp32, roof_gbs=roof)

@@ -44,8 +44,7 @@ EAGER_NUMERICS = ("emulate_precision_casts", "eager_numerics.division_rounding",
 def eager_numerics_patches() -> dict:
     """``{setting: True}`` for each of ``EAGER_NUMERICS`` this torch's Inductor config has (torch 2.11 has all
     three; ``eager_numerics`` is newer than ``emulate_precision_casts``)."""
-    known = inductor_config.get_config_copy().keys()
-    return {name: True for name in EAGER_NUMERICS if name in known}
+    return _set_where_known(EAGER_NUMERICS)
 
 
 # Inductor launches the Triton kernels of user ops (ours) through Triton's own launcher unless told it may use
@@ -55,7 +54,13 @@ STATIC_LAUNCH = "static_launch_user_defined_triton_kernels"
 
 def static_launch_patches() -> dict:
     """``{STATIC_LAUNCH: True}`` where this torch's Inductor config has the setting, else nothing."""
-    return {STATIC_LAUNCH: True} if STATIC_LAUNCH in inductor_config.get_config_copy() else {}
+    return _set_where_known((STATIC_LAUNCH,))
+
+
+def _set_where_known(names) -> dict:
+    """``{name: True}`` for each of ``names`` this torch's Inductor config has."""
+    known = inductor_config.get_config_copy().keys()
+    return {name: True for name in names if name in known}
 
 
 def make_config_patches(options: dict | None = None, mode: str | None = None,

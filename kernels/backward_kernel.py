@@ -120,11 +120,17 @@ def _store_row(ptr, k, cols, ok, value, HIDDEN: tl.constexpr, INTERPRETED: tl.co
 
 
 @triton.jit
+def _one_plus(scale, act: tl.constexpr, ROUND_AFFINE: tl.constexpr, INTERPRETED: tl.constexpr):
+    """The forward's ``p = 1 + scale`` (``R`` where ``ROUND_AFFINE``), fp32."""
+    return rounded(1.0 + scale.to(tl.float32), act, INTERPRETED) if ROUND_AFFINE else 1.0 + widened(scale)
+
+
+@triton.jit
 def _normed_input_gradient(dy, scale, w, act: tl.constexpr, HAS_WEIGHT: tl.constexpr, ROUND_NORM: tl.constexpr,
                            ROUND_NORM_BEFORE_WEIGHT: tl.constexpr, ROUND_AFFINE: tl.constexpr,
                            INTERPRETED: tl.constexpr):
     """``(dn, dxhat)`` of one chunk: the gradients reaching the norm's output and its normalized row."""
-    p = rounded(1.0 + scale.to(tl.float32), act, INTERPRETED) if ROUND_AFFINE else 1.0 + widened(scale)
+    p = _one_plus(scale, act, ROUND_AFFINE, INTERPRETED)
     dn = widened(dy) * p
     if ROUND_NORM:
         dn = rounded(dn, act, INTERPRETED)
@@ -141,7 +147,7 @@ def _dxhat_plus(dy, scale, w, addend, act: tl.constexpr, HAS_WEIGHT: tl.constexp
                 ROUND_AFFINE: tl.constexpr, INTERPRETED: tl.constexpr):
     """``dxhat + addend`` (a LayerNorm's ``dxhat``: never rounded before its weight), the product that makes
     ``dxhat`` written out as one FMA with the add, so that no compiler contracts it otherwise."""
-    p = rounded(1.0 + scale.to(tl.float32), act, INTERPRETED) if ROUND_AFFINE else 1.0 + widened(scale)
+    p = _one_plus(scale, act, ROUND_AFFINE, INTERPRETED)
     if HAS_WEIGHT:
         dn = widened(dy) * p
         if ROUND_NORM:

@@ -13,7 +13,8 @@ them: the one catalogue the tests and the benchmarks share.
 
 The DiT family's forms (``FamilyForm``: the norm and its spelling, where the rows come from, fp32 rows with the
 norm and affine of the fp32 upcast) have their own: ``family_modulation``, ``family_rows``, ``family_inputs``,
-``family_eager_site``, ``family_fused_site``, ``family_backward_inputs`` and ``family_minimal_bytes``.
+``family_eager_site``, ``family_exact_site``, ``family_fused_site``, ``family_backward_inputs`` and
+``family_minimal_bytes``.
 """
 
 from __future__ import annotations
@@ -198,7 +199,6 @@ def minimal_bytes(site: str, tokens: int, hidden: int, itemsize: int = 2) -> int
 
 
 FAMILY_SOURCES = ("per_sample", "per_token", "one_for_all", "chosen")
-FAMILY_NORMS = ("layer", "rms", "diffusers_rms")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,10 +215,19 @@ class FamilyForm:
     source: str = "per_sample"
     in_fp32: bool = False
 
+    def __str__(self) -> str:
+        """The form in a test's or a printout's terms: ``norm-source``, ``-fp32`` where ``in_fp32``."""
+        return f"{self.norm}-{self.source}{'-fp32' if self.in_fp32 else ''}"
+
     def op_flags(self) -> dict:
         """The fused ops' keywords for this form."""
         return dict(norm="rms" if self.norm != "layer" else "layer", norm_in_fp32=self.in_fp32,
                     norm_rounds_before_weight=self.norm == "diffusers_rms")
+
+
+# every form the tests hold: each norm with each source, and the LayerNorm of the fp32 upcast with fp32 rows (Wan's)
+FAMILY_FORMS = tuple(FamilyForm("layer", source, in_fp32) for source in FAMILY_SOURCES for in_fp32 in (False, True)) + \
+    tuple(FamilyForm(norm, source) for norm in ("rms", "diffusers_rms") for source in FAMILY_SOURCES)
 
 
 def family_modulation(form: FamilyForm, batch: int, tokens: int, hidden: int, *, device, generator) -> torch.Tensor:
@@ -289,6 +298,14 @@ def family_eager_site(site: str, form: FamilyForm, eps: float = 1e-6):
         return gated(residual, family_rows(form, modulation, choice)[2], branch)
 
     return {"A": a, "B": b, "C": c}[site]
+
+
+def family_exact_site(site: str, form: FamilyForm, eps: float = 1e-6):
+    """``site``'s math in ``form`` without the form's casts, for fp64 inputs (the oracle of its gradients):
+    ``family_eager_site`` of the same norm and rows, no fp32 upcast (``x.float()`` would compute an fp64 graph's
+    norm in fp32), diffusers' ``RMSNorm`` as ``F.rms_norm``."""
+    exact = dataclasses.replace(form, in_fp32=False, norm="rms" if form.norm == "diffusers_rms" else form.norm)
+    return family_eager_site(site, exact, eps)
 
 
 def family_fused_site(site: str, form: FamilyForm, policy: str, eps: float = 1e-6):

@@ -275,13 +275,18 @@ def _weight_source(w: object, hidden: int, what: str = "weight") -> Node:
     return src
 
 
+def _over_last_dim(shape: object, hidden: int) -> None:
+    """A fused norm's ``normalized_shape`` is the last dim, ``[H]``."""
+    expect(isinstance(shape, (list, tuple)) and len(shape) == 1 and same_size(shape[0], hidden),
+           f"the norm is over {shape}, not the last dim H={hidden}")
+
+
 def _match_fused_norm(n: Node, act: torch.dtype, hidden: int) -> Norm:
     """``n = _fused_rms_norm(x, [H], w, eps)[0]``: ``nn.RMSNorm`` / ``F.rms_norm`` as the graph traced before
     autograd holds it on CUDA (one rounding, ``R(x32 * r * w32)``); ``eps=None`` is fp32's machine epsilon."""
     fused = n.args[0]
     x, shape, weight, eps = (list(fused.args) + [None, None])[:4]
-    expect(isinstance(shape, (list, tuple)) and len(shape) == 1 and same_size(shape[0], hidden),
-           f"the norm is over {shape}, not the last dim H={hidden}")
+    _over_last_dim(shape, hidden)
     expect(dtype_of(x) == act, f"the norm's input is {dtype_of(x)}, its output {act}")
     expect(eps is None or (isinstance(eps, (int, float)) and not isinstance(eps, bool)), "the norm's eps is not a constant")
     eps = torch.finfo(torch.promote_types(act, f32)).eps if eps is None else float(eps)
@@ -293,8 +298,7 @@ def _match_native_layer_norm(n: Node, act: torch.dtype, hidden: int, bias_allowe
     autograd holds it, of the activations (one rounding) or of their fp32 upcast (``in_fp32``)."""
     stats = n.args[0]
     x, shape, weight, bias, eps = stats.args
-    expect(isinstance(shape, (list, tuple)) and len(shape) == 1 and same_size(shape[0], hidden),
-           f"the norm is over {shape}, not the last dim H={hidden}")
+    _over_last_dim(shape, hidden)
     in_fp32 = act != f32 and dtype_of(n) == f32
     x = _norm_input(x, act, in_fp32)
     expect(bias is None or bias_allowed, "the norm adds a bias: not fused")

@@ -176,7 +176,7 @@ def gradients(fn, tensors: dict, wrt, seed=1):
     outputs = fn(**leaves)
     outputs = outputs if isinstance(outputs, tuple) else (outputs,)
     g = torch.Generator().manual_seed(seed)
-    loss = sum((o.double() * torch.randn(o.shape, generator=g).to(bf16).double()).sum() for o in outputs)
+    loss = sum((o.double() * torch.randn(o.shape, generator=g).to(bf16).to(o.device).double()).sum() for o in outputs)
     loss.backward()
     return {k: leaves[k].grad for k in wrt}
 

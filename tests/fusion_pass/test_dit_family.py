@@ -68,7 +68,7 @@ def test_the_fp32_policy_fuses_the_same_sites_within_its_bound(name):
 @pytest.mark.parametrize("form", [FamilyForm("layer", "per_sample", True), FamilyForm("layer", "per_token", True),
                                   FamilyForm("diffusers_rms", "per_token"), FamilyForm("rms", "one_for_all"),
                                   FamilyForm("rms", "chosen")],
-                         ids=lambda f: f"{f.norm}-{f.source}{'-fp32' if f.in_fp32 else ''}")
+                         ids=str)
 def test_each_site_of_the_benchmarks_forms_is_one_fused_site(form):
     """The sites ``benchmarks/bench_family.py`` times (``h3_fused.kernels.testing``'s family forms, rows chunked from
     a projection as the models do), compiled with h3_fused: each is one site of its op, computing eager's output."""

@@ -8,20 +8,20 @@ rounded once (``SavedSite.gathered`` restates the given rows as tables gathered 
 of gathered rows sums so), eager's in the rows' dtype by autograd's broadcast reduction.
 """
 
-import dataclasses
-
 import pytest
 import torch
-from h3_fused.kernels.testing import FAMILY_SOURCES, FamilyForm, family_eager_site, family_fused_site, family_inputs
+from h3_fused.kernels.testing import (
+    FAMILY_FORMS,
+    FamilyForm,
+    family_eager_site,
+    family_exact_site,
+    family_fused_site,
+    family_inputs,
+)
 from helpers import gradients, in_fp64
 
-FORMS = [FamilyForm("layer", source, in_fp32) for source in FAMILY_SOURCES for in_fp32 in (False, True)] + [
-    FamilyForm(norm, source) for norm in ("rms", "diffusers_rms") for source in FAMILY_SOURCES]
 ACTIVATIONS = {"A": ("x",), "B": ("residual", "branch"), "C": ("residual", "branch")}
 
-
-def form_id(form):
-    return f"{form.norm}-{form.source}{'-fp32' if form.in_fp32 else ''}"
 
 
 def inputs(site, form, batch=2, tokens=37, hidden=64, seed=0):
@@ -33,14 +33,11 @@ def wrt(site):
 
 
 def exact_gradients(site, form, t, names):
-    """The gradients of the site's math in fp64 (the form's math, none of its fp32 casts: ``x.float()`` would
-    compute an fp64 graph's norm in fp32)."""
-    exact = dataclasses.replace(form, in_fp32=False, norm="rms" if form.norm == "diffusers_rms" else form.norm)
-    return gradients(family_eager_site(site, exact), in_fp64(t), names)
+    return gradients(family_exact_site(site, form), in_fp64(t), names)
 
 
 @pytest.mark.parametrize("site", ["A", "B", "C"])
-@pytest.mark.parametrize("form", FORMS, ids=form_id)
+@pytest.mark.parametrize("form", FAMILY_FORMS, ids=str)
 def test_gradcheck_in_fp64(site, form):
     """``torch.autograd.gradcheck`` of the fused op in fp64 (nothing rounds): every differentiable input,
     the rows as the model chunks them from its projection."""
@@ -56,7 +53,7 @@ def test_gradcheck_in_fp64(site, form):
 
 @pytest.mark.parametrize("site", ["A", "B", "C"])
 @pytest.mark.parametrize("policy", ["bf16", "fp32"])
-@pytest.mark.parametrize("form", FORMS, ids=form_id)
+@pytest.mark.parametrize("form", FAMILY_FORMS, ids=str)
 def test_every_gradient_is_as_close_to_fp64_as_eagers(site, policy, form):
     """Against the fp64 gradient of the model's spelling in fp64: each of ours within eager's mean error."""
     t = inputs(site, form)
@@ -69,7 +66,7 @@ def test_every_gradient_is_as_close_to_fp64_as_eagers(site, policy, form):
 
 
 @pytest.mark.parametrize("site", ["A", "B", "C"])
-@pytest.mark.parametrize("form", [f for f in FORMS if f.norm == "rms"], ids=form_id)
+@pytest.mark.parametrize("form", [f for f in FAMILY_FORMS if f.norm == "rms"], ids=str)
 def test_bf16_activation_gradients_of_rms_norms_are_eagers_but_where_a_row_sum_enters(site, form):
     """Eager's CPU autograd of ``F.rms_norm`` rounds where the reference does: the activation gradients are its
     bits but for rare last-place flips where the order of a row's fp32 sums enters (``contract.Rounding``).
@@ -85,7 +82,7 @@ def test_bf16_activation_gradients_of_rms_norms_are_eagers_but_where_a_row_sum_e
 
 @pytest.mark.parametrize("site", ["A", "B", "C"])
 @pytest.mark.parametrize("form", [FamilyForm("layer", "per_sample"), FamilyForm("layer", "per_sample", True),
-                                  FamilyForm("rms", "one_for_all")], ids=form_id)
+                                  FamilyForm("rms", "one_for_all")], ids=str)
 @pytest.mark.parametrize("tokens", [256, 4000])
 def test_row_gradients_summed_over_thousands_of_tokens_are_rounded_once(site, form, tokens):
     """Hundreds to thousands of tokens into one row per sample (or one for all): the shift rows' gradient, the sum
@@ -104,7 +101,7 @@ def test_row_gradients_summed_over_thousands_of_tokens_are_rounded_once(site, fo
     assert (got - exact)[used].abs().mean() <= (ref - exact)[used].abs().mean() * 1.05
 
 
-@pytest.mark.parametrize("form", [FamilyForm("layer", "per_sample"), FamilyForm("rms", "chosen")], ids=form_id)
+@pytest.mark.parametrize("form", [FamilyForm("layer", "per_sample"), FamilyForm("rms", "chosen")], ids=str)
 def test_gradients_are_the_same_bits_on_every_run(form):
     t = inputs("B", form, tokens=300)
     first, second = (gradients(family_fused_site("B", form, "bf16"), t, wrt("B")) for _ in range(2))

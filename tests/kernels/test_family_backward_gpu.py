@@ -3,11 +3,11 @@ gradients of each site's math and eager's, and determinism. Rows per sample are 
 tokens: in fp32 in a fixed order (Kahan-compensated for fp32 rows) and rounded once, where eager reduces the
 broadcast in the rows' dtype."""
 
-import dataclasses
-
 import pytest
 import torch
-from h3_fused.kernels.testing import FamilyForm, family_eager_site, family_fused_site, family_inputs
+from h3_fused.kernels.testing import FamilyForm, family_eager_site, family_exact_site, family_fused_site, family_inputs
+from helpers import gradients, in_fp64
+from test_backward_gpu import relative_error
 
 pytestmark = pytest.mark.gpu
 FORMS = [FamilyForm("layer", "per_sample"), FamilyForm("layer", "per_sample", True), FamilyForm("layer", "per_token", True),
@@ -16,51 +16,25 @@ DIFFERENTIABLE = {"A": ("x", "modulation"), "B": ("residual", "branch", "modulat
                   "C": ("residual", "branch", "modulation")}
 
 
-def form_id(form):
-    return f"{form.norm}-{form.source}{'-fp32' if form.in_fp32 else ''}"
-
-
-def gradients(fn, inputs: dict, names, seed=0) -> dict:
-    """Gradients of ``fn``'s outputs for fixed random incoming gradients (bf16 values) with respect to ``names``."""
-    leaves = {k: v.detach().clone().requires_grad_(k in names) if isinstance(v, torch.Tensor) else v
-              for k, v in inputs.items()}
-    outputs = fn(**leaves)
-    outputs = outputs if isinstance(outputs, tuple) else (outputs,)
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    incoming = [torch.randn(o.shape, generator=g, device="cuda").to(torch.bfloat16).to(o.dtype) for o in outputs]
-    return dict(zip(names, torch.autograd.grad(outputs, [leaves[k] for k in names], incoming)))
-
-
-def exact_gradients(site, form, inputs, names):
-    """The fp64 gradients of the site's math (none of the form's fp32 casts, which would compute an fp64 graph's
-    norm in fp32)."""
-    exact = dataclasses.replace(form, in_fp32=False, norm="rms" if form.norm == "diffusers_rms" else form.norm)
-    fp64 = {k: v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in inputs.items()}
-    return gradients(family_eager_site(site, exact), fp64, names)
-
-
-def relative_error(got, exact) -> float:
-    return ((got.double() - exact).norm() / exact.norm()).item()
-
 
 @pytest.mark.parametrize("tokens", [2048, 16384])
 @pytest.mark.parametrize("site", ["A", "B", "C"])
-@pytest.mark.parametrize("form", FORMS, ids=form_id)
+@pytest.mark.parametrize("form", FORMS, ids=str)
 def test_gradients_at_real_size_are_as_close_to_fp64_as_eagers(form, site, tokens):
     """Two samples of ``tokens`` at H = 3,072: every gradient within eager's error against fp64 (``bf16``)."""
     inputs = family_inputs(site, form, 2, tokens, 3072, seed=tokens)
     names = DIFFERENTIABLE[site]
-    exact = exact_gradients(site, form, inputs, names)
+    exact = gradients(family_exact_site(site, form), in_fp64(inputs), names)
     ours = gradients(family_fused_site(site, form, "bf16"), inputs, names)
     eagers = gradients(family_eager_site(site, form), inputs, names)
     for name in names:
         mine, theirs = relative_error(ours[name], exact[name]), relative_error(eagers[name], exact[name])
-        print(f"{form_id(form)} {site} T={tokens} {name}: ours {mine:.2e}, eager {theirs:.2e}")
+        print(f"{form} {site} T={tokens} {name}: ours {mine:.2e}, eager {theirs:.2e}")
         assert mine <= theirs * 1.05 + 1e-7, (name, mine, theirs)
 
 
 @pytest.mark.parametrize("policy", ["bf16", "fp32"])
-@pytest.mark.parametrize("form", FORMS, ids=form_id)
+@pytest.mark.parametrize("form", FORMS, ids=str)
 def test_gradients_are_the_same_bits_on_every_run(form, policy):
     inputs = family_inputs("B", form, 2, 8192, 3072, seed=5)
     names = DIFFERENTIABLE["B"]

@@ -6,16 +6,14 @@ called directly, and the eager sites compiled with the backend (one fused op eac
 
 import pytest
 import torch
-from h3_fused.kernels.testing import FAMILY_SOURCES, FamilyForm, family_eager_site, family_fused_site, family_inputs
+from h3_fused.kernels.testing import FAMILY_FORMS, family_eager_site, family_fused_site, family_inputs
 from torch._dynamo.utils import counters
 
 pytestmark = pytest.mark.gpu
-FORMS = [FamilyForm("layer", source, in_fp32) for source in FAMILY_SOURCES for in_fp32 in (False, True)] + [
-    FamilyForm(norm, source) for norm in ("rms", "diffusers_rms") for source in FAMILY_SOURCES]
 
 
 @pytest.mark.parametrize("hidden", [3072, 5120])
-@pytest.mark.parametrize("form", FORMS, ids=lambda f: f"{f.norm}-{f.source}{'-fp32' if f.in_fp32 else ''}")
+@pytest.mark.parametrize("form", FAMILY_FORMS, ids=str)
 def test_every_site_of_each_form_is_eagers(hidden, form):
     for site in ("A", "B", "C"):
         inputs = family_inputs(site, form, 2, 2048, hidden, seed=hidden)
@@ -30,7 +28,7 @@ FUSED = {  # what a site compiles to: site B one op, or two where the rows come 
 
 
 @pytest.mark.usefixtures("fresh_compile")
-@pytest.mark.parametrize("form", FORMS, ids=lambda f: f"{f.norm}-{f.source}{'-fp32' if f.in_fp32 else ''}")
+@pytest.mark.parametrize("form", FAMILY_FORMS, ids=str)
 def test_every_site_of_each_form_compiled_with_the_backend_is_eagers(form):
     for site in "ABC":
         counters.clear()
