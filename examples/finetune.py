@@ -26,6 +26,7 @@ import dataclasses
 import os
 import sys
 import time
+from collections.abc import Callable
 
 import torch
 from torch._dynamo.utils import counters
@@ -47,8 +48,8 @@ class Task:
     the tensor the loss regresses from what the model returns."""
 
     model: torch.nn.Module
-    batch: callable
-    output: callable
+    batch: Callable
+    output: Callable
 
 
 def stand_in(device: str) -> Task:

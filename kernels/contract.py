@@ -105,3 +105,10 @@ def rounding_for(policy: str, activation: torch.dtype, gate_table: torch.dtype |
     return Rounding(gate_product=low(gate_table), norm_output=not norm_in_fp32,
                     norm_before_weight=norm_rounds_before_weight, affine=low(mod_table) and not norm_in_fp32,
                     norm_sum_order=sum_order, input_gradient=True)
+
+
+def compensated(gradient_of: torch.Tensor | None) -> bool:
+    """Whether the sum over rows of the gradient of ``gradient_of`` (a table or the weight) is compensated (the
+    kernel's Kahan sum, the reference's fp64 one): where it is rounded to fp32, which would not hide an fp32 sum's
+    own error."""
+    return gradient_of is not None and gradient_of.dtype == torch.float32

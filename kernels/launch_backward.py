@@ -15,6 +15,7 @@ import torch
 
 from .arguments import ModulationArgs
 from .backward_kernel import modulation_backward_kernel, reduce_partials_kernel
+from .contract import compensated
 from .launch_plan import KernelLaunch, specialisation
 from .runtime import ceil_div, interpreting
 
@@ -148,12 +149,6 @@ def backward_specialisation(a: ModulationArgs, needs: Needs, config: BackwardCon
         COMPENSATE_W=compensated(a.weight),
         PREFETCH=config.prefetch, HOIST_TABLES=config.hoist_tables, EARLY_STREAMS=config.early_streams,
         INTERPRETED=interpreting(), CHUNK=config.chunk)
-
-
-def compensated(gradient_of: torch.Tensor | None) -> bool:
-    """Whether the sum over rows of the gradient of ``gradient_of`` (a table or the weight) is Kahan-compensated:
-    where it is rounded to fp32, which would not hide the fp32 sum's own error."""
-    return gradient_of is not None and gradient_of.dtype == torch.float32
 
 
 def _empty_like_rows(a: ModulationArgs):

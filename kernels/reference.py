@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from .arguments import ModulationArgs
+from .contract import compensated
 
 f32 = torch.float32
 
@@ -140,9 +141,9 @@ def reference_backward(a: ModulationArgs, u: torch.Tensor | None, dy: torch.Tens
     def R(v, rounds):
         return v.to(a.dtype).to(compute) if rounds else v
 
-    def table_sum(name, rows):  # an fp32 table's gradient: the fp64 sum rounded once, as the kernel's compensated one
+    def table_sum(name, rows):  # a compensated gradient: the fp64 sum rounded once, as the kernel's Kahan sum
         table = getattr(a, name)
-        return _index_sum(rows, idx, table.shape[0], exact=table.dtype == torch.float32)
+        return _index_sum(rows, idx, table.shape[0], exact=compensated(table))
 
     sums = {}
     if a.scale is not None:
@@ -169,7 +170,7 @@ def reference_backward(a: ModulationArgs, u: torch.Tensor | None, dy: torch.Tens
         if needs.scale:
             sums["scale"] = table_sum("scale", dy_c * n)
         if needs.weight and w is not None:
-            sums["weight"] = (dn * normed).sum(0, dtype=torch.float64 if a.weight.dtype == torch.float32 else None)
+            sums["weight"] = (dn * normed).sum(0, dtype=torch.float64 if compensated(a.weight) else None)
     else:
         du_t = du.to(compute)
     grads = {}
