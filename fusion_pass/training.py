@@ -12,8 +12,8 @@ The trace keeps what the graph says about gradients: grad-mode switches (``torch
 model) are recorded as they run, and ``torch.utils.checkpoint`` regions are inlined with the tags its
 tracing gives them, which the replacement keeps. A graph holding any other higher-order op is compiled as it
 is (``log`` says so), as is a graph in which no site fused: nothing changes for it. The functional copies that
-functionalization writes for assignments into slices have no derivative; each becomes ops that have one
-(``_differentiable_copies``).
+functionalization writes for assignments into slices have no derivative; the trace writes each as ops that
+have one (``_differentiable_copy``).
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ import contextlib
 import torch
 import torch.fx.traceback as fx_traceback
 from h3_fused.patterns import NoMatch, Site, find_sites
-from h3_fused.patterns.replacements import splice
 from torch._dynamo import utils as dynamo_utils
 from torch._guards import detect_fake_mode
 from torch._subclasses.functional_tensor import dispatch_functionalize
@@ -62,18 +61,12 @@ def _unsupported(gm: GraphModule) -> str | None:
     return None
 
 
-def _differentiable_copy(dst, src):
-    return (src.to(dst.dtype).expand_as(dst).clone(),)
-
-
-def _differentiable_copies(gm: GraphModule) -> None:
+def _differentiable_copy(dst, src, non_blocking=False):
     """Functionalization writes an assignment into a slice (``out[..., 0::2] = v``, as Wan's rotary embedding
     does) as ``aten.copy(dst, v)``, which has no derivative, and AOT autograd differentiates the graph it is
-    handed: each becomes ``v`` cast to ``dst``'s dtype, broadcast to its shape and copied, the same values."""
-    for node in [n for n in gm.graph.nodes if n.op == "call_function" and n.target is torch.ops.aten.copy.default]:
-        (copied,) = splice(gm.graph, _differentiable_copy, list(node.args[:2]), node, {}, decomposed=False)
-        node.replace_all_uses_with(copied)
-        gm.graph.erase_node(node)
+    handed: the trace writes it as ``v`` cast to ``dst``'s dtype, broadcast to its shape and copied, the same
+    values."""
+    return src.to(dst.dtype).expand_as(dst).clone()
 
 
 # Dynamo compiles inside the user's code, under whatever saved-tensor hooks are active there (a non-reentrant
@@ -97,7 +90,8 @@ def _fuse(gm: GraphModule, example_inputs, options: FusionOptions) -> GraphModul
     fake_mode = detect_fake_mode(example_inputs)
     fakes = [fake_mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in example_inputs]
     with fake_mode, fx_traceback.preserve_node_meta():
-        traced = make_fx(dispatch_functionalize(_Retracer(gm).run), tracing_mode="real")(*fakes)
+        traced = make_fx(dispatch_functionalize(_Retracer(gm).run), tracing_mode="real",
+                         decomposition_table={torch.ops.aten.copy.default: _differentiable_copy})(*fakes)
     traced.graph.eliminate_dead_code()
     sites = []
     for site in find_sites(traced.graph, refuse, note=log.debug, unmergeable=Site.without_fused_backward):
@@ -113,7 +107,6 @@ def _fuse(gm: GraphModule, example_inputs, options: FusionOptions) -> GraphModul
     if not fused:
         return None
     traced.graph.eliminate_dead_code()
-    _differentiable_copies(traced)
     traced.graph.lint()
     traced.recompile()
     log.debug("h3_fused: %d site(s) fused before autograd", fused)
