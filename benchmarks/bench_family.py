@@ -47,6 +47,7 @@ MODELS = {  # model: (hidden, its sites' form, its typical tokens per sample; di
     "qwen_image_edit": (3072, FamilyForm("layer", "chosen"), 8192),
     "ltx_video": (2048, FamilyForm("diffusers_rms", "per_sample"), 12288),
     "sd3": (1536, FamilyForm("layer", "per_sample"), 4429),
+    "sd3_5": (2432, FamilyForm("layer", "per_sample"), 4429),  # SD3.5 Large; its twice-modulated norm: blocks part
 }
 TOKENS = 16384
 SITE_VARIANTS = {  # name -> (backend, options); None: eager

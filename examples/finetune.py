@@ -129,6 +129,10 @@ def finetune(name: str, variant: str, policy: str = "bf16", steps: int = 8, devi
     ``variant`` (one of ``VARIANTS``); AdamW on what requires a gradient."""
     torch._dynamo.reset()
     counters.clear()
+    if device == "cuda" and name != "h3":
+        # torch 2.11's cuDNN attention backward fails at Flux's real dims (``mha_graph.execute(...).is_good()``, or
+        # an illegal memory access, in eager as compiled): the flash and memory-efficient kernels instead
+        torch.backends.cuda.enable_cudnn_sdp(False)
     task = build(name, device, lora, checkpointing)
     fn = compile_variant(task, variant, policy, regional)
     optimizer = torch.optim.AdamW([p for p in task.model.parameters() if p.requires_grad], lr=lr)

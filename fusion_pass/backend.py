@@ -37,13 +37,16 @@ def graph_device(example_inputs) -> torch.device:
 # Inductor's own settings for eager's numerics in the code it generates, where this torch has them:
 # ``emulate_precision_casts`` keeps eager's intermediate roundings; ``eager_numerics.division_rounding`` divides
 # fp32 by IEEE division (``div_rn``) as eager's kernels do, where Triton's ``/`` is approximate;
-# ``eager_numerics.disable_ftz`` keeps denormals, which Triton flushes to zero and eager's kernels do not.
-EAGER_NUMERICS = ("emulate_precision_casts", "eager_numerics.division_rounding", "eager_numerics.disable_ftz")
+# ``eager_numerics.disable_ftz`` keeps denormals, which Triton flushes to zero and eager's kernels do not;
+# ``eager_numerics.use_pytorch_libdevice`` takes transcendental functions (pow, erf, ...) from the CUDA toolkit's
+# libdevice, as eager's kernels do, instead of Triton's bundled one (a last place apart).
+EAGER_NUMERICS = ("emulate_precision_casts", "eager_numerics.division_rounding", "eager_numerics.disable_ftz",
+                  "eager_numerics.use_pytorch_libdevice")
 
 
 def eager_numerics_patches() -> dict:
-    """``{setting: True}`` for each of ``EAGER_NUMERICS`` this torch's Inductor config has (torch 2.11 has all
-    three; ``eager_numerics`` is newer than ``emulate_precision_casts``)."""
+    """``{setting: True}`` for each of ``EAGER_NUMERICS`` this torch's Inductor config has (``eager_numerics`` is
+    newer than ``emulate_precision_casts``, and ``use_pytorch_libdevice`` newer than its other two)."""
     return _set_where_known(EAGER_NUMERICS)
 
 

@@ -7,7 +7,10 @@ layouts are copied) and takes its modulation rows (``shift``, ``scale``, ``gate`
   without the last dim (read as ``R`` contiguous entries: other layouts are copied), a table row per token;
 - ``index`` None: rows that broadcast to the activations, ``H`` wide (one per sample, ``[B, 1, H]`` or
   ``[B, H][:, None]``; one per token, ``[B, T, H]``; one for all, ``[H]``), read in place as ``[B, T, H]``
-  views whose sample and token strides may be 0.
+  views whose sample and token strides may be 0. A site with a norm may take ``shift`` and ``scale`` with one
+  more leading dim than the activations, of ``M`` copies (``[M, B, 1, H]``): ``y`` is then ``M`` modulations
+  of the one norm, ``[M, ...]``, as torch broadcasts ``norm(x) * (1 + scale) + shift`` (SD3.5's norm modulated
+  twice); the copies' rows are read as ``[M * B, T, H]``.
 
 A plain norm (``x`` and its weight, no tables) has neither. Bad input raises ``ValueError``/``TypeError`` naming
 the argument.
@@ -53,25 +56,40 @@ def check_table(name: str, t: object, hidden: int) -> torch.Tensor:
     return t if t.stride(1) == 1 else t.contiguous()
 
 
-def check_rows(name: str, t: object, shape: torch.Size) -> torch.Tensor:
+def check_rows(name: str, t: object, shape: torch.Size, copies: int | None = None) -> torch.Tensor:
     """Modulation rows broadcast to the activations of ``shape``, as a ``[B, T, H]`` view (``B`` the product of
-    the leading dims before the token dim, ``T`` the token dim): a view of ``t`` where the strides allow, else
-    a copy."""
+    the leading dims before the token dim, ``T`` the token dim), or with ``copies`` (``M``, rows with a leading
+    dim of copies) as ``[M * B, T, H]``: a view of ``t`` where the strides allow, else a copy."""
     check_tensor(name, t, TABLE_DTYPES)
     hidden = shape[-1]
-    if t.dim() == 0 or t.shape[-1] != hidden or t.dim() > len(shape) or any(
-            n != 1 and n != s for n, s in zip(reversed(t.shape), reversed(shape))):
-        raise ValueError(f"{name} must be rows of H={hidden} that broadcast to the activations {tuple(shape)}, "
+    full = shape if copies is None else torch.Size((copies, *shape))
+    if t.dim() == 0 or t.shape[-1] != hidden or t.dim() > len(full) or any(
+            n != 1 and n != s for n, s in zip(reversed(t.shape), reversed(full))):
+        raise ValueError(f"{name} must be rows of H={hidden} that broadcast to the activations {tuple(shape)}"
+                         f"{f' with a leading dim of {copies} copies' if copies is not None else ''}, "
                          f"got shape {tuple(t.shape)}")
     if t.stride(-1) != 1 and hidden != 1:
         t = t.contiguous()
     tokens = shape[-2] if len(shape) > 1 else 1
-    samples = t.new_empty(shape[:-2]).numel() if len(shape) > 2 else 1
-    expanded = t.expand(shape)
+    samples = t.new_empty(full[:-2]).numel() if len(full) > 2 else 1
+    expanded = t.expand(full)
     try:
         return expanded.view(samples, tokens, hidden)
-    except RuntimeError:  # leading dims whose strides do not merge
+    except (RuntimeError, ValueError):  # leading dims whose strides do not merge (fake tensors raise ValueError)
         return expanded.reshape(samples, tokens, hidden)
+
+
+def modulation_copies(shift: object, scale: object, shape: torch.Size) -> int | None:
+    """``M`` where ``shift`` and ``scale`` carry a leading dim of copies beyond the activations' ``shape``
+    (both, the same ``M``), else None."""
+    extra = {name: t.shape[0] for name, t in (("shift", shift), ("scale", scale))
+             if isinstance(t, torch.Tensor) and t.dim() == len(shape) + 1}
+    if not extra:
+        return None
+    if len(extra) == 1 or extra["shift"] != extra["scale"] or 0 in extra.values():
+        raise ValueError(f"shift and scale must both have the activations' dims {len(shape)} or both one more (a "
+                         f"leading dim of M >= 1 copies), got shapes {tuple(shift.shape)} and {tuple(scale.shape)}")
+    return extra["shift"]
 
 
 def check_index_on_host(index: torch.Tensor, num_table_rows: int) -> None:
@@ -107,6 +125,17 @@ class ModulationArgs:
     rounding: Rounding
     has_norm: bool = True  # site A or B, or a plain norm; site C has none
     norm: str = "rms"  # "rms": x * rsqrt(mean(x^2) + eps); "layer": (x - mean) * rsqrt(var + eps)
+    copies: int | None = None  # M: shift and scale given with a leading dim of M copies, y [M, ...]
+
+    @property
+    def y_shape(self) -> torch.Size:
+        """``y``'s shape: the activations', or with ``copies`` ``[M, ...]``."""
+        return self.out_shape if self.copies is None else torch.Size((self.copies, *self.out_shape))
+
+    @property
+    def modulations(self) -> int:
+        """How many modulations of the one norm ``y`` holds (``M``, or 1)."""
+        return 1 if self.copies is None else self.copies
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -183,6 +212,7 @@ def check_args(*, x=None, residual=None, branch=None, gate=None, weight=None, sh
     plain_norm = has_norm and x is not None and not given
     if plain_norm and index is not None:
         raise ValueError("index must be None for a norm without modulation tables")
+    copies = modulation_copies(shift, scale, shape) if has_norm and index is None else None
     if index is not None:
         check_tensor("index", index, INDEX_DTYPES)
         if index.shape != shape[:-1]:
@@ -190,7 +220,7 @@ def check_args(*, x=None, residual=None, branch=None, gate=None, weight=None, sh
                              f"{tuple(shape[:-1])}, got {tuple(index.shape)}")
         tables = {k: check_table(k, v, hidden) for k, v in given.items()}
     else:
-        tables = {k: check_rows(k, v, shape) for k, v in given.items()}
+        tables = {k: check_rows(k, v, shape, copies if k != "gate" else None) for k, v in given.items()}
     if shift is not None and scale is not None:
         if tables["shift"].dtype != tables["scale"].dtype:
             raise TypeError(f"shift and scale must share a dtype, got {shift.dtype} and {scale.dtype}")
@@ -222,4 +252,5 @@ def check_args(*, x=None, residual=None, branch=None, gate=None, weight=None, sh
         gate=tables.get("gate"), weight=weight, shift=tables.get("shift"), scale=tables.get("scale"),
         index=index.reshape(-1).contiguous() if index is not None else None, out_shape=shape, dtype=dtype,
         device=device, eps=float(eps), policy=resolved, rounding=rounding, has_norm=has_norm, norm=norm,
+        copies=copies,
     )

@@ -111,7 +111,11 @@ def row_dims(rows: Tensor, rank: int) -> tuple[int, ...]:
 
 def mixed_row_shapes(tables: dict[str, Tensor | None], rank: int) -> str | None:
     """Where given modulation rows broadcast differently (``SavedSite.gathered`` takes one index for all), what
-    differs; else None."""
+    differs, or that they have copies (a norm modulated more than once, which the backward does not take); else
+    None."""
+    copies = [t.shape[0] for t in tables.values() if t is not None and t.dim() > rank]
+    if copies:
+        return f"a norm modulated {copies[0]} times (rows with a leading dim of copies)"
     shapes = {name: row_dims(t, rank) for name, t in tables.items() if t is not None}
     if len(set(shapes.values())) > 1:
         return "modulation rows of different shapes (" + ", ".join(

@@ -58,7 +58,7 @@ class DirectLaunch:
     """A direct call of one layout: the launch (``launch``) on the call's argument values at ``positions`` (one
     per slot of the launch; each value is the tensor the slot reads, a view of it at most), into new contiguous
     outputs shaped as the first slot's tensor (``x`` or the residual; ``u`` where ``want_u``, ``y`` where
-    ``want_y``), on ``device`` (made current for the launch). Under the interpreter (CPU tensors) the index
+    ``want_y``, with a leading dim of ``copies`` where the rows have copies), on ``device`` (made current for the launch). Under the interpreter (CPU tensors) the index
     is checked on the host first (``index_position``, ``num_table_rows``). On CUDA the first call launches
     through Triton's ``JITFunction.run`` and keeps the kernel it compiled (``compiled``); later calls launch
     that kernel directly while Triton has no launch hook."""
@@ -70,6 +70,7 @@ class DirectLaunch:
     want_y: bool
     index_position: int | None
     num_table_rows: int
+    copies: int | None = None
     compiled: CompiledLaunch | None = field(default=None, compare=False)
 
     def __call__(self, values):
@@ -79,8 +80,11 @@ class DirectLaunch:
             check_index_on_host(values[self.index_position].reshape(-1), self.num_table_rows)
         tensors = [values[p] for p in self.positions]
         lead = tensors[0]  # x or the residual: the outputs' shape, dtype and device
-        u, y = (torch.empty_like(lead, memory_format=torch.contiguous_format) if wanted else None
-                for wanted in (self.want_u, self.want_y))
+        u = torch.empty_like(lead, memory_format=torch.contiguous_format) if self.want_u else None
+        y = None
+        if self.want_y:
+            y = torch.empty(lead.shape if self.copies is None else (self.copies, *lead.shape), dtype=lead.dtype,
+                            device=lead.device)
         if self.device.type == "cuda" and self.device.index != current_cuda_device():
             with torch.cuda.device(self.device):  # Triton launches on the current device
                 self._launch(tensors, u, y)
@@ -117,4 +121,4 @@ def plan_direct_call(signature: inspect.Signature, args: tuple, kwargs: dict) ->
     on_host = a.device.type == "cpu"  # the interpreter: no kernel assertion guards the index
     return DirectLaunch(launch, positions, a.device, want_u=a.gate is not None, want_y=a.scale is not None,
                         index_position=names.index("index") if on_host and a.gathered else None,
-                        num_table_rows=a.num_table_rows)
+                        num_table_rows=a.num_table_rows, copies=a.copies)

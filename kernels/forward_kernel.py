@@ -17,6 +17,8 @@ Per row ``t`` (``i = index[t]``, arithmetic in fp32 unless said below, ``R`` = r
                p = 1 + scale[i]                (R if ROUND_AFFINE)
                q = n * p                       (R if ROUND_AFFINE; fused with the add if FUSE_MULTIPLY_ADD)
                y = R(q + shift[i])             -> stored (A, B)
+               (COPIES > 1: y for each copy j of the given rows, rows of samples j * B on, stored at rows
+               j * R on: M modulations of the one norm)
     plain RMSNorm (A without HAS_AFFINE: no tables, no index):
                y = R(n)                        -> stored
 
@@ -422,7 +424,8 @@ def modulation_kernel(
     stride_x, stride_res, stride_branch, stride_gate, stride_shift, stride_scale,
     stride_gate_token, stride_shift_token, stride_scale_token,
     HIDDEN: tl.constexpr, HAS_GATE: tl.constexpr, HAS_NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-    HAS_AFFINE: tl.constexpr, GATHERED: tl.constexpr, LAYER_NORM: tl.constexpr, ROUND_GATE: tl.constexpr,
+    HAS_AFFINE: tl.constexpr, COPIES: tl.constexpr, GATHERED: tl.constexpr, LAYER_NORM: tl.constexpr,
+    ROUND_GATE: tl.constexpr,
     ROUND_NORM: tl.constexpr, ROUND_NORM_BEFORE_WEIGHT: tl.constexpr, ROUND_AFFINE: tl.constexpr,
     FUSE_MULTIPLY_ADD: tl.constexpr, NORM_SUM_ORDER: tl.constexpr, INTERPRETED: tl.constexpr,
     BLOCK_T: tl.constexpr, CHUNK: tl.constexpr, PRELOAD_TABLE_CHUNKS: tl.constexpr, WARM_ROWS_AHEAD: tl.constexpr,
@@ -516,6 +519,8 @@ def modulation_kernel(
                 shifted = tl.fma(tl.sum(partial, axis=1), inverse_h, tl.cast(eps, tl.float32))
             r = rsqrt(shifted, INTERPRETED)
             chunks: tl.constexpr = triton.cdiv(HIDDEN, CHUNK)
+            # given rows with copies: copy ``j``'s rows are samples ``j * B`` on
+            samples = (n_rows + 0 * program) // tokens if COPIES > 1 else 0
             for c in tl.static_range(chunks):
                 lanes, mask = _chunk(c, row_ok, CHUNK, HIDDEN)
                 current = tables
@@ -523,12 +528,15 @@ def modulation_kernel(
                     tables = _tables_chunk(w_ptr, shift_ptr, scale_ptr, q, i, c + 1, row_ok, stride_shift,
                                            stride_scale, stride_shift_token, stride_scale_token, HIDDEN, CHUNK,
                                            HAS_WEIGHT, GATHERED)
-                y = _modulated(widened(kept[c]), mean, r, w_ptr, shift_ptr, scale_ptr, y_ptr, q, i, zero, c * CHUNK,
-                               lanes, mask, stride_shift, stride_scale, stride_shift_token, stride_scale_token,
-                               current, HIDDEN, HAS_WEIGHT, HAS_AFFINE, ROUND_NORM, ROUND_NORM_BEFORE_WEIGHT,
-                               ROUND_AFFINE, FUSE_MULTIPLY_ADD, LAYER_NORM, GATHERED, INTERPRETED,
-                               PRELOAD_TABLE_CHUNKS)
-                tl.store(y_ptr + rows[:, None] * HIDDEN + c * CHUNK + lanes[None, :], y, mask=mask)
+                for copy in tl.static_range(COPIES):  # each modulation of the one norm (the preloaded: copy 0's)
+                    y = _modulated(widened(kept[c]), mean, r, w_ptr, shift_ptr, scale_ptr, y_ptr,
+                                   q + copy * samples if copy > 0 else q, i, zero, c * CHUNK, lanes, mask,
+                                   stride_shift, stride_scale, stride_shift_token, stride_scale_token, current,
+                                   HIDDEN, HAS_WEIGHT, HAS_AFFINE, ROUND_NORM, ROUND_NORM_BEFORE_WEIGHT, ROUND_AFFINE,
+                                   FUSE_MULTIPLY_ADD, LAYER_NORM, GATHERED, INTERPRETED,
+                                   PRELOAD_TABLE_CHUNKS and copy == 0)
+                    out_rows = rows + copy * (n_rows + 0 * program) if copy > 0 else rows
+                    tl.store(y_ptr + out_rows[:, None] * HIDDEN + c * CHUNK + lanes[None, :], y, mask=mask)
         if WARM_ROWS_AHEAD > 0 and HAS_AFFINE and GATHERED:  # last: no register of the row is live any more
             _touch_coming_table_rows(rows_program, idx_ptr, shift_ptr, scale_ptr, gate_ptr, n_rows, num_table_rows,
                                      stride_shift, stride_scale, stride_gate, HIDDEN, HAS_GATE, BLOCK_T, WARM_ROWS_AHEAD, WARMING_LANES)

@@ -156,7 +156,7 @@ class ForwardSpecialisation:
     """The forward kernel's constexprs (``forward_kernel``'s module docstring gives their meaning), in its order.
 
     The site: ``HIDDEN`` columns, a gate (sites B, C), a norm (A, B, a plain norm), its weight, an affine
-    (A, B; a plain norm has none), its rows gathered by the index or given, a LayerNorm or an RMSNorm. The rounding contract (``contract.Rounding``): ``ROUND_*``,
+    (A, B; a plain norm has none) and how many modulations of the norm it stores, its rows gathered by the index or given, a LayerNorm or an RMSNorm. The rounding contract (``contract.Rounding``): ``ROUND_*``,
     ``FUSE_MULTIPLY_ADD``, and ``NORM_SUM_ORDER`` (a ``contract.SumOrder``'s value, as ``norm_sum_order``
     resolves it). ``INTERPRETED``: under Triton's interpreter. The ``LaunchConfig``: the rest."""
 
@@ -165,6 +165,7 @@ class ForwardSpecialisation:
     HAS_NORM: bool
     HAS_WEIGHT: bool
     HAS_AFFINE: bool
+    COPIES: int
     GATHERED: bool
     LAYER_NORM: bool
     ROUND_GATE: bool
@@ -187,7 +188,7 @@ class ForwardSpecialisation:
         r = a.rounding
         return cls(
             HIDDEN=a.hidden, HAS_GATE=a.gate is not None, HAS_NORM=a.has_norm, HAS_WEIGHT=a.weight is not None,
-            HAS_AFFINE=a.has_affine, GATHERED=a.gathered, LAYER_NORM=a.norm == "layer",
+            HAS_AFFINE=a.has_affine, COPIES=a.modulations, GATHERED=a.gathered, LAYER_NORM=a.norm == "layer",
             ROUND_GATE=r.gate_product, ROUND_NORM=r.norm_output, ROUND_NORM_BEFORE_WEIGHT=r.norm_before_weight,
             ROUND_AFFINE=r.affine, FUSE_MULTIPLY_ADD=r.fused_multiply_add, NORM_SUM_ORDER=int(sum_order),
             INTERPRETED=interpreting(),

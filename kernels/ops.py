@@ -35,10 +35,10 @@ Tensor = torch.Tensor
 
 
 def _empty_outputs(a: ModulationArgs, want_u: bool, want_y: bool):
-    def make(want):
-        return torch.empty(a.out_shape, dtype=a.dtype, device=a.device) if want else None
+    def make(want, shape):
+        return torch.empty(shape, dtype=a.dtype, device=a.device) if want else None
 
-    return make(want_u), make(want_y)
+    return make(want_u, a.out_shape), make(want_y, a.y_shape)
 
 
 def _run(a: ModulationArgs, raw: dict, want_u: bool, want_y: bool):
@@ -105,7 +105,9 @@ def norm_modulate(
     upcast_tables: bool = False, norm: str = "rms", norm_in_fp32: bool = False,
 ) -> Tensor:
     """Site A: ``y = R(R(norm(x) * R(1 + scale[index])) + shift[index])`` (roundings per policy); without an
-    ``index``, ``shift`` and ``scale`` are rows that broadcast to ``x`` (per sample or per token). ``norm``:
+    ``index``, ``shift`` and ``scale`` are rows that broadcast to ``x`` (per sample or per token), or with a
+    leading dim of ``M`` copies more (``[M, B, 1, H]``), which makes ``y`` ``M`` modulations of the one norm,
+    ``[M, *x.shape]``, as torch broadcasts them (the norm computed once). ``norm``:
     ``"rms"`` or ``"layer"`` (``weight`` its elementwise scale, or None); ``norm_in_fp32``: the norm of ``x``
     upcast to fp32, its output and the affine fp32, rounded once at ``y``."""
     raw = dict(x=x, residual=None, branch=None, gate=None, weight=weight, shift=shift, scale=scale, index=index,
@@ -121,7 +123,8 @@ def gate_norm_modulate(
     index: Tensor | None, *, eps: float = 1e-6, policy: str = "auto", norm_rounds_before_weight: bool = False,
     upcast_tables: bool = False, norm: str = "rms", norm_in_fp32: bool = False,
 ) -> tuple[Tensor, Tensor]:
-    """Site B: ``u = R(residual + gate[index] * branch)``, ``y = norm_modulate(u, ...)``; returns ``(u, y)``."""
+    """Site B: ``u = R(residual + gate[index] * branch)``, ``y = norm_modulate(u, ...)`` (``y`` with ``norm_modulate``'s
+    copies, where ``shift`` and ``scale`` have them); returns ``(u, y)``."""
     raw = dict(x=None, residual=residual, branch=branch, gate=gate, weight=weight, shift=shift, scale=scale,
                index=index, eps=eps, policy=policy, norm_rounds_before_weight=norm_rounds_before_weight,
                upcast_tables=upcast_tables, norm=norm, norm_in_fp32=norm_in_fp32)

@@ -111,12 +111,13 @@ def modulate(n: torch.Tensor, a: ModulationArgs) -> torch.Tensor:
 
 
 def reference_modulation(a: ModulationArgs) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """``(u, y)`` for the site ``a`` describes: A gives ``(None, y)``, B ``(u, y)``, C ``(u, None)``."""
+    """``(u, y)`` for the site ``a`` describes: A gives ``(None, y)``, B ``(u, y)``, C ``(u, None)``; ``y`` holds
+    ``a.modulations`` modulations of the one norm."""
     u = gated_residual(a).view(a.out_shape) if a.gate is not None else None
     if a.scale is None:
         return u, None
     n = norm((u if u is not None else a.x).reshape(-1, a.hidden), a)
-    return u, modulate(n, a).view(a.out_shape)
+    return u, modulate(n.repeat(a.modulations, 1) if a.copies else n, a).view(a.y_shape)
 
 
 def _index_sum(rows: torch.Tensor, index: torch.Tensor, num_rows: int, exact: bool = False) -> torch.Tensor:

@@ -13,8 +13,8 @@ them: the one catalogue the tests and the benchmarks share.
 
 The DiT family's forms (``FamilyForm``: the norm and its spelling, where the rows come from, fp32 rows with the
 norm and affine of the fp32 upcast) have their own: ``family_modulation``, ``family_rows``, ``family_inputs``,
-``family_eager_site``, ``family_exact_site``, ``family_fused_site``, ``family_backward_inputs`` and
-``family_minimal_bytes``.
+``family_eager_site``, ``family_exact_site``, ``family_fused_site``, ``family_modulated_twice`` (SD3.5's norm
+modulated twice), ``family_backward_inputs`` and ``family_minimal_bytes``.
 """
 
 from __future__ import annotations
@@ -324,6 +324,31 @@ def family_fused_site(site: str, form: FamilyForm, policy: str, eps: float = 1e-
         return gate_residual(residual, family_rows(form, modulation, choice)[2], branch, None, policy=policy)
 
     return {"A": a, "B": b, "C": c}[site]
+
+
+def family_modulated_twice(site: str, form: FamilyForm, inputs: dict, policy: str = "bf16", eps: float = 1e-6):
+    """``(got, expected)`` of ``site`` (A or B) in ``form`` (rows given, not chosen) whose norm output is modulated
+    twice, as SD3.5's ``SD35AdaLayerNormZeroX`` does: by the rows of ``inputs["modulation"]`` and by those of its
+    chunks rolled by three (another shift and scale, of the same form). ``got``: the op with both pairs of rows as
+    copies (stacked), its ``y`` unbound; ``expected``: the eager site for each pair. Each a tuple of the site's
+    outputs, ``(y, y2)`` or ``(u, y, y2)``."""
+    hidden = inputs["branch" if site == "B" else "x"].shape[-1]
+    second = inputs["modulation"].roll(3 * hidden, -1)
+    (shift, scale, gate), (shift2, scale2, _) = (family_rows(form, m) for m in (inputs["modulation"], second))
+    flags = dict(form.op_flags(), eps=eps, policy=policy)
+    def copies(*rows):  # each with the activations' dims (rows for all, [H], as [1, 1, H]), stacked
+        return torch.stack([r.view((1,) * (3 - r.dim()) + tuple(r.shape)) for r in rows])
+
+    pairs = dict(shift=copies(shift, shift2), scale=copies(scale, scale2))
+    if site == "A":
+        got = tuple(norm_modulate(inputs["x"], None, pairs["shift"], pairs["scale"], None, **flags).unbind(0))
+        return got, (family_eager_site("A", form, eps)(inputs["x"], inputs["modulation"]),
+                     family_eager_site("A", form, eps)(inputs["x"], second))
+    u, y = gate_norm_modulate(inputs["residual"], gate, inputs["branch"], None, pairs["shift"], pairs["scale"], None,
+                              **flags)
+    expected_u, expected_y = family_eager_site("B", form, eps)(inputs["residual"], inputs["branch"],
+                                                                inputs["modulation"])
+    return (u, *y.unbind(0)), (expected_u, expected_y, family_eager_site("A", form, eps)(expected_u, second))
 
 
 def family_backward_inputs(site: str, form: FamilyForm, batch: int, tokens: int, hidden: int, *, device="cuda",

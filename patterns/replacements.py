@@ -47,12 +47,18 @@ def replacement_fn(site: Site, policy: str):
                 t[name] = torch.cat([t[name].reshape(samples, hidden), t[f"{name}_second"].reshape(samples, hidden)])
             first = torch.arange(samples, device=lead.device)[:, None]
             index = first + samples * (~t["choice"].reshape(rows)).long()
+        if site.copies > 1:  # the norm's modulations as copies of its rows (each with the activations' dims, as
+            for name in ("shift", "scale"):  # the op takes them): y [M, ...], one modulation each
+                copies = [t[name]] + [t[f"{name}_{j}"] for j in range(1, site.copies)]
+                t[name] = torch.stack([c.view((1,) * (lead.dim() - c.dim()) + tuple(c.shape)) for c in copies])
         weight = t.get("weight")
         if site.kind is SiteKind.NORM_MODULATE:
-            return (ops.norm_modulate(lead, weight, t["shift"], t["scale"], index, **norm_flags),)
+            y = ops.norm_modulate(lead, weight, t["shift"], t["scale"], index, **norm_flags)
+            return tuple(y.unbind(0)) if site.copies > 1 else (y,)
         if site.kind is SiteKind.GATE_NORM_MODULATE:
-            return ops.gate_norm_modulate(lead, t["gate"], t["branch"], weight, t["shift"], t["scale"], index,
+            u, y = ops.gate_norm_modulate(lead, t["gate"], t["branch"], weight, t["shift"], t["scale"], index,
                                           **norm_flags)
+            return (u, *y.unbind(0)) if site.copies > 1 else (u, y)
         return (ops.gate_residual(lead, t["gate"], t["branch"], index, **flags),)
 
     return fn, [site.inputs[k] for k in names]

@@ -70,8 +70,9 @@ def find_sites(graph: Graph, refuse: Callable[[Node, NoMatch, str], None], note=
     (in a graph that computes gradients, what the merged site's backward lacks), or None."""
     a_sites: dict[Node, Site] = {}
     c_sites: dict[Node, Site] = {}
+    copies: set[Node] = set()  # the outputs of a site's other modulations of its norm (matched with it)
     for node in graph.nodes:
-        if node.op != "call_function":
+        if node.op != "call_function" or node in copies:
             continue
         matcher, found, kind = ((norm_modulate_site, a_sites, NORM_CANDIDATE) if is_affine_candidate(node) else
                                 (gate_residual_site, c_sites, GATE_CANDIDATE) if is_gated_candidate(node) else
@@ -84,6 +85,7 @@ def find_sites(graph: Graph, refuse: Callable[[Node, NoMatch, str], None], note=
             refuse(node, why, kind)
             continue
         found[site.outputs[0]] = site
+        copies.update(site.outputs[1:])
     sites, merged = [], set()
     position = {n: i for i, n in enumerate(graph.nodes)}
     for a in a_sites.values():

@@ -514,9 +514,6 @@ def broadcasts_to(index_shape, rows) -> bool:
 def check_interior(interior: list[Node], inside: set[Node]) -> None:
     for node in interior:
         outside = [u for u in node.users if u not in inside]
-        if outside and is_op(outside[0], MUL) and any(_one_plus(v) is not None for v in outside[0].args):
-            raise NoMatch(f"the norm's output is modulated twice, also{source_of(outside[0], ' at ')} (as SD3.5's "
-                          "dual-attention blocks do): not fused; a kernel would need both outputs of one norm")
         if outside:
             raise NoMatch(f"an intermediate value ({describe(node)}) is also used elsewhere, by {describe(outside[0])}"
                           f"{source_of(outside[0], ' at ')}",
@@ -564,7 +561,7 @@ class Site:
     ``index`` input) are reshaped to ``row_shapes[name]`` before the call, as the graph broadcasts them."""
 
     kind: SiteKind
-    outputs: list[Node]  # (y,), (u, y) or (u,)
+    outputs: list[Node]  # (y,), (u, y) or (u,); with copies, every modulation's y
     inputs: dict[str, Node | None]
     eps: float
     norm_rounds_before_weight: bool
@@ -574,6 +571,8 @@ class Site:
     norm: str = "rms"
     norm_in_fp32: bool = False
     row_shapes: dict[str, tuple] = field(default_factory=dict)
+    # modulations of the one norm: ``y`` and ``shift``/``scale``, then ``y`` of ``shift_j``/``scale_j`` for j >= 1
+    copies: int = 1
 
     @property
     def lead(self) -> Node:
@@ -587,6 +586,8 @@ class Site:
         """What of this site the fused backward does not cover (``kernels.autograd``), or None: it restates rows
         given without an index as tables gathered by one index, which rows that broadcast differently (a gate
         per sample beside shift and scale per token, where a gated residual and its norm merge) do not share."""
+        if self.copies > 1:
+            return f"a norm modulated {self.copies} times"
         if self.gathered or self.inputs.get("choice") is not None:
             return None
         rank = len(shape_of(self.lead) or ())
@@ -627,25 +628,77 @@ def _row_inputs(**tables: Rows) -> dict[str, Node | None]:
     return inputs | {"index": first.index}
 
 
+def _affine_output(product: Node) -> object:
+    """The output of the modulation whose product is ``product`` (``n * (1 + scale')``): the ``add`` that is its one
+    user, or that add's cast where the add's one user casts it (an fp32 affine), or None."""
+    users = list(product.users)
+    if len(users) != 1 or not is_op(users[0], ADD):
+        return None
+    top = users[0]
+    cast = next(iter(top.users)) if len(top.users) == 1 else None
+    return cast if cast is not None and _anchor_top(cast) is top else top
+
+
+def _other_modulations(aff: Affine) -> list[Affine]:
+    """The other modulations of ``aff``'s norm output, ``n * (1 + scale') + shift'`` of the same ``n`` (SD3.5's
+    ``SD35AdaLayerNormZeroX`` modulates one norm twice), in the order of ``n``'s users. A use of ``n`` that is not
+    one is left to ``check_interior``, which refuses the site for it."""
+    others = []
+    for user in aff.n.users:
+        if user in aff.nodes or not (is_op(user, MUL) and any(_one_plus(v) is not None for v in user.args)):
+            continue
+        out = _affine_output(user)
+        try:
+            other = match_affine(out)
+        except NoMatch:
+            continue
+        if other.n is aff.n:
+            others.append(other)
+    return others
+
+
+def _check_copies(affines: list[Affine]) -> None:
+    """Modulations of one norm, which the op takes as rows with a leading dim of copies (stacked): rows given
+    (not gathered, not chosen), of one shape and dtype, computed alike."""
+    first = affines[0]
+    for rows in (a_rows for a in affines for a_rows in (a.shift, a.scale)):
+        expect(not rows.gathered and rows.choice is None, "a norm modulated more than once by rows gathered by an "
+               "index or chosen per token: not fused (the op takes copies of rows given per sample or per token)")
+    for other in affines[1:]:
+        for name in ("shift", "scale"):
+            ours, theirs = getattr(first, name), getattr(other, name)
+            expect(same_shape(ours.shape, theirs.shape) and dtype_of(ours.source) == dtype_of(theirs.source),
+                   f"the norm's modulations read {name} rows of different shapes or dtypes "
+                   f"({ours.shape} {dtype_of(ours.source)}, {theirs.shape} {dtype_of(theirs.source)})")
+        expect(other.compute == first.compute, "the norm's modulations compute in different dtypes")
+
+
 def norm_modulate_site(y: Node) -> Site:
+    """Site A from its output ``y``, with every other modulation of the same norm output as copies (``Site.copies``;
+    outputs ``y`` first, then the others)."""
     aff = match_affine(y)
     act = dtype_of(y)
     hidden = shape_of(y)[-1]
     norm = match_norm(aff.n, act, hidden)
-    tables = [aff.scale, aff.shift]
+    affines = [aff, *_other_modulations(aff)]
+    if len(affines) > 1:
+        _check_copies(affines)
+    tables = [rows for a in affines for rows in (a.scale, a.shift)]
     expect(same_shape(shape_of(norm.x), shape_of(y)), "the output's shape is not the norm input's (a broadcast)")
     upcast = _upcast(tables, aff.compute) if aff.compute != act else False
     expect(aff.compute == act or upcast or dtype_of(aff.scale.source) == f32,
            f"the modulation computes in {aff.compute} with {dtype_of(aff.scale.source)} tables")
     expect(not norm.in_fp32 or (aff.compute == f32 and (dtype_of(aff.scale.source) == f32 or aff.scale.upcast)),
            "a norm computed in fp32 modulated by rows in the activation dtype is not fused")
-    interior = aff.nodes + norm.nodes + _rows_interior(tables)
-    interior = [n for n in interior if n is not y]
-    broadcast = check_site([y], tables, norm.x, interior)
-    return Site(SiteKind.NORM_MODULATE, [y], dict(x=norm.x, weight=norm.weight,
-                                                  **_row_inputs(shift=aff.shift, scale=aff.scale)),
+    outputs = [a.y for a in affines]
+    interior = [n for a in affines for n in a.nodes] + norm.nodes + _rows_interior(tables)
+    interior = [n for n in interior if n not in outputs]
+    broadcast = check_site(outputs, tables, norm.x, interior)
+    rows = {f"{name}{f'_{j}' if j else ''}": getattr(a, name) for j, a in enumerate(affines)
+            for name in ("shift", "scale")}
+    return Site(SiteKind.NORM_MODULATE, outputs, dict(x=norm.x, weight=norm.weight, **_row_inputs(**rows)),
                 norm.eps, norm.rounds_before_weight, upcast, interior, broadcast, norm.kind, norm.in_fp32,
-                _row_shapes(shift=aff.shift, scale=aff.scale))
+                _row_shapes(**rows), copies=len(affines))
 
 
 def gate_residual_site(u: Node) -> Site:
@@ -673,9 +726,10 @@ def merge_gate_and_norm(c: Site, a: Site) -> Site:
     # one index and one condition (checked above): the gate's, which is computed before the residual it gates
     inputs = c.inputs | {k: v for k, v in a.inputs.items() if k not in ("x", "choice")}
     interior = c.interior + a.interior
-    check_interior(interior, set(interior) | {u, a.outputs[0]})
-    return Site(SiteKind.GATE_NORM_MODULATE, [u, a.outputs[0]], inputs, a.eps, a.norm_rounds_before_weight,
-                a.upcast_tables, interior, c.index_broadcast, a.norm, a.norm_in_fp32, c.row_shapes | a.row_shapes)
+    check_interior(interior, set(interior) | {u, *a.outputs})
+    return Site(SiteKind.GATE_NORM_MODULATE, [u, *a.outputs], inputs, a.eps, a.norm_rounds_before_weight,
+                a.upcast_tables, interior, c.index_broadcast, a.norm, a.norm_in_fp32, c.row_shapes | a.row_shapes,
+                a.copies)
 
 
 def _anchor_top(node: Node) -> object:

@@ -55,6 +55,24 @@ def test_training_compiles_fuse_every_site_with_its_backward(name, mode):
     assert_gradients_close({k: g for k, g in grads.items() if k not in unused}, expected_grads)
 
 
+def test_a_norm_modulated_twice_is_refused_under_grad_with_its_reason(caplog):
+    """SD3.5's dual-attention blocks modulate one norm twice, a site whose backward is not fused: in the graph that
+    computes gradients it is refused with that reason (its gated residual then a site C of its own), the other
+    sites fused; the output and the gradients follow eager's within the ``bf16`` policy."""
+    model, inputs = MODELS["sd3_5"].example("cpu", real=False)
+    model.train()
+    expected, expected_grads = step(model, model, inputs)
+    caplog.set_level("DEBUG", logger="h3_fused")
+    got, grads = step(torch.compile(model, backend="h3_fused", options={"dtype_policy": "bf16"}), model, inputs)
+    fused = counters["h3_fused"]
+    assert fused["refused"] == 2 and caplog.text.count("no fused backward for a norm modulated 2 times") == 2
+    # block 0's twice-modulated norm (site A) refused; block 1's (site B with the residual before it) refused while
+    # that residual stays a site C of its own
+    assert sum(fused[op] for op in OPS) == sum(WHOLE["sd3_5"]) - 1
+    assert_bf16_policy(got, expected)
+    assert_gradients_close(grads, expected_grads)
+
+
 @pytest.mark.parametrize("name, regional, checkpointing", [("flux", False, False), ("wan", True, True)],
                          ids=["flux", "wan-regional-checkpointing"])
 def test_lora_fine_tunes_follow_eager(name, regional, checkpointing):

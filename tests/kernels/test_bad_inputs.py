@@ -71,7 +71,12 @@ GIVEN_REFUSED = {  # name: (rows' shapes and dtypes, error, message)
     "rows of another width": (dict(shift=(2, 1, 32)), ValueError, r"shift must be rows of H=64 that broadcast"),
     "rows of another sample count": (dict(scale=(3, 1, 64)), ValueError, r"scale must be rows of H=64"),
     "rows per token of another token count": (dict(gate=(2, 5, 64)), ValueError, r"gate must be rows of H=64"),
-    "rows of more dims than the activations": (dict(shift=(1, 2, 1, 64)), ValueError, r"shift must be rows of H=64"),
+    "rows of two more dims than the activations": (dict(shift=(1, 1, 2, 1, 64), scale=(1, 1, 2, 1, 64)), ValueError,
+                                                   r"shift must be rows of H=64"),
+    "copies of shift alone": (dict(shift=(1, 2, 1, 64)), ValueError, r"shift and scale must both have"),
+    "copies of different counts": (dict(shift=(2, 2, 1, 64), scale=(3, 2, 1, 64)), ValueError,
+                                   r"shift and scale must both have"),
+    "copies of the gate": (dict(gate=(2, 2, 1, 64)), ValueError, r"gate must be rows of H=64"),
     "a scalar row": (dict(scale=()), ValueError, r"scale must be rows of H=64"),
 }
 

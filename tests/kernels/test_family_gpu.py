@@ -6,7 +6,13 @@ called directly, and the eager sites compiled with the backend (one fused op eac
 
 import pytest
 import torch
-from h3_fused.kernels.testing import FAMILY_FORMS, family_eager_site, family_fused_site, family_inputs
+from h3_fused.kernels.testing import (
+    FAMILY_FORMS,
+    family_eager_site,
+    family_fused_site,
+    family_inputs,
+    family_modulated_twice,
+)
 from torch._dynamo.utils import counters
 
 pytestmark = pytest.mark.gpu
@@ -20,6 +26,15 @@ def test_every_site_of_each_form_is_eagers(hidden, form):
         got = family_fused_site(site, form, "bf16")(**inputs)
         expected = family_eager_site(site, form)(**inputs)
         for g, e in zip(*((got, expected) if site == "B" else ((got,), (expected,)))):
+            assert torch.equal(g, e), (site, (g != e).float().mean().item())
+
+
+@pytest.mark.parametrize("form", [f for f in FAMILY_FORMS if f.source != "chosen"], ids=str)
+def test_a_norm_modulated_twice_is_eagers_for_each_modulation(form):
+    """SD3.5's width (H = 2,432): both modulations of the one norm, stored by one launch, each eager's bits."""
+    for site in ("A", "B"):
+        got, expected = family_modulated_twice(site, form, family_inputs(site, form, 2, 2048, 2432, seed=5))
+        for g, e in zip(got, expected, strict=True):
             assert torch.equal(g, e), (site, (g != e).float().mean().item())
 
 

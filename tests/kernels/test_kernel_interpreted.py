@@ -134,6 +134,32 @@ def test_rows_given_without_an_index_match_the_reference(source, norm, policy, i
                        reference(residual=x, branch=br, gate=gate, policy=policy)[0])
 
 
+@pytest.mark.parametrize("source", ["per_sample_view", "per_token", "one_for_all"])
+@pytest.mark.parametrize("norm", ["rms", "layer"])
+@pytest.mark.parametrize("policy", ["bf16", "fp32"])
+def test_a_norm_modulated_by_copies_of_its_rows_matches_the_reference(source, norm, policy):
+    """Rows with a leading dim of copies (SD3.5 modulates one norm twice; three copies here): ``y`` is
+    ``[M, ...]``, copy ``j`` the one norm modulated by rows ``j``, as torch broadcasts the rows; at sites A and B,
+    against the reference and against the op called once per copy."""
+    batch, tokens, hidden = 2, 9, 96
+    g = torch.Generator().manual_seed(2)
+    x, br = (torch.randn(batch, tokens, hidden, generator=g).to(bf16) for _ in range(2))
+    copies = [given_rows(source, batch, tokens, hidden, seed=seed) for seed in range(3)]
+    shift, scale = (torch.stack([rows[k].view(-1, 1, hidden) if source == "one_for_all" else rows[k]
+                                 for rows in copies]) for k in (0, 1))  # one for all: [M, 1, 1, H]
+    gate = copies[0][2]
+    kw = dict(eps=1e-6, policy=policy, norm=norm)
+    y = norm_modulate(x, None, shift, scale, None, **kw)
+    assert y.shape == (3, batch, tokens, hidden)
+    same_but_for_sum_order(y, reference(x=x, shift=shift, scale=scale, **kw)[1])
+    u, y = gate_norm_modulate(x, gate, br, None, shift, scale, None, **kw)
+    ur, yr = reference(residual=x, branch=br, gate=gate, shift=shift, scale=scale, **kw)
+    assert torch.equal(u, ur)
+    same_but_for_sum_order(y, yr)
+    for j, (s, c, _) in enumerate(copies):  # the same bits as one call per copy: the norm computed once
+        assert torch.equal(y[j], gate_norm_modulate(x, gate, br, None, s, c, None, **kw)[1])
+
+
 @pytest.mark.parametrize("batch, tokens, hidden, dtype", [(1, 1, 100, bf16), (3, 5, 98, torch.float16),
                                                          (2, 7, 36, torch.float32)],
                          ids=["one_token_H100", "fp16_H98", "fp32_H36"])

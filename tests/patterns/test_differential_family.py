@@ -5,8 +5,9 @@ Drawn: the site (A; B, a gated residual then the modulated norm; C), the norm (`
 ``RMSNorm`` with its bf16 input times an fp32 ``rsqrt``, ``F.layer_norm``; with or without weight; of the
 activations or, with fp32 rows, of their fp32 upcast with the affine and the residual in fp32 and one cast after,
 as Wan writes it), the rows (one per sample as ``[B, 1, H]`` chunks or ``[B, H][:, None]``, with ``1 +`` before or
-after the view; one per token as chunks of a ``[B, T, 6H]`` projection; one for all), their dtype, the activations'
-dtype, the batch, the tokens, the width, the policy, and a near-miss (no ``1 +``, ``2 +``, a LayerNorm with a bias,
+after the view; one per token as chunks of a ``[B, T, 6H]`` projection; one for all), their dtype, how many times
+the norm's output is modulated (once, or twice by rows of the same form, as SD3.5's ``SD35AdaLayerNormZeroX``: one
+site whose op stores both), the activations' dtype, the batch, the tokens, the width, the policy, and a near-miss (no ``1 +``, ``2 +``, a LayerNorm with a bias,
 rows per token that are no group's). Every example: the sites fused are the true ones, and the output obeys the
 policy (``bf16`` with every site fused: Inductor's bits with ``emulate_precision_casts``, which compiles the sites'
 eager operations on the CPU; always within a few ulps of eager). ``H3_FUZZ_EXAMPLES`` and ``H3_FUZZ_SEED`` set a
@@ -38,6 +39,7 @@ class Case:
     in_fp32: bool  # the norm of x.float(), affine and residual in fp32, one cast after (needs fp32 rows)
     rows: str  # "per_sample", "per_sample_view", "one_plus_then_view", "per_token", "one_for_all"
     rows_fp32: bool
+    modulations: int  # 2: the norm's output modulated twice
     dtype: torch.dtype
     batch: int
     tokens: int
@@ -56,7 +58,7 @@ def cases(draw):
                 rows_fp32 and dtype != f32 and draw(st.booleans()),
                 draw(st.sampled_from(["per_sample", "per_sample_view", "one_plus_then_view", "per_token",
                                       "one_for_all"])),
-                rows_fp32, dtype, draw(st.integers(1, 2)), draw(st.integers(1, 24)), 8 * draw(st.integers(1, 24)),
+                rows_fp32, draw(st.integers(1, 2)), dtype, draw(st.integers(1, 2)), draw(st.integers(1, 24)), 8 * draw(st.integers(1, 24)),
                 draw(st.sampled_from(["bf16", "fp32", "auto"])),
                 draw(st.sampled_from(["none", "none", "no_one_plus", "two_plus", "layer_bias", "rows_not_a_group"]))
                 if site != "C" else "none", draw(st.integers(0, 2**16)))
@@ -80,14 +82,15 @@ def build(case: Case):
     miss = "none" if case.near_miss == "layer_bias" and case.norm != "layer" else case.near_miss
 
     def rows(t):
-        shift, scale, gate = t.chunk(6, -1)[:3]
+        """shift, scale, gate, and the second modulation's shift and scale."""
+        shift, scale, gate, shift2, scale2 = t.chunk(6, -1)[:5]
         if case.rows == "per_sample":
-            return shift.unsqueeze(1), scale.unsqueeze(1), gate.unsqueeze(1)
+            return shift.unsqueeze(1), scale.unsqueeze(1), gate.unsqueeze(1), shift2.unsqueeze(1), scale2.unsqueeze(1)
         if case.rows == "one_plus_then_view":  # the scale viewed after its `1 +`
-            return shift.unsqueeze(1), scale, gate.unsqueeze(1)
+            return shift.unsqueeze(1), scale, gate.unsqueeze(1), shift2.unsqueeze(1), scale2
         if case.rows == "per_sample_view":
-            return shift[:, None], scale[:, None], gate[:, None]
-        return shift, scale, gate
+            return shift[:, None], scale[:, None], gate[:, None], shift2[:, None], scale2[:, None]
+        return shift, scale, gate, shift2, scale2
 
     def one_plus(scale):
         if case.rows == "one_plus_then_view":
@@ -103,20 +106,26 @@ def build(case: Case):
             return n * weight.to(n.dtype) if weight is not None else n.to(h.dtype)
         return F.rms_norm(h, (H,), weight.to(h.dtype) if weight is not None else None, 1e-6)
 
-    def modulate(h, shift, scale):
+    def modulate(h, *pairs):
+        """The norm of ``h`` modulated by each (shift, scale) of ``pairs``."""
         n = norm(h.float() if case.in_fp32 else h)
-        if miss == "no_one_plus":
-            return (n * (scale[:, None, :] if case.rows == "one_plus_then_view" else scale) + shift).to(h.dtype)
-        if miss == "rows_not_a_group":
-            return (n * (1 + other) + shift).to(h.dtype)
-        return (n * one_plus(scale) + shift).to(h.dtype)
+
+        def affine(shift, scale):
+            if miss == "no_one_plus":
+                return (n * (scale[:, None, :] if case.rows == "one_plus_then_view" else scale) + shift).to(h.dtype)
+            if miss == "rows_not_a_group":
+                return (n * (1 + other) + shift).to(h.dtype)
+            return (n * one_plus(scale) + shift).to(h.dtype)
+
+        return tuple(affine(shift, scale) for shift, scale in pairs)
 
     def fn(x, branch, table):
-        shift, scale, gate = rows(table)
+        shift, scale, gate, shift2, scale2 = rows(table)
+        pairs = [(shift, scale), (shift2, scale2)][:case.modulations]
         if case.site == "A":
-            return (modulate(x, shift, scale),)
+            return modulate(x, *pairs)
         u = (x.float() + branch * gate).type_as(x) if case.in_fp32 else (x + gate * branch).to(x.dtype)
-        return (u,) if case.site == "C" else (u, modulate(u, shift, scale))
+        return (u,) if case.site == "C" else (u, *modulate(u, *pairs))
 
     # the norm part fuses where it is a site: no near-miss, and a norm of the fp32 upcast only with fp32 rows
     # (which ``in_fp32`` always has); diffusers' RMSNorm with a weight rounds before it, as the native spelling
