@@ -134,7 +134,13 @@ def backward_config_rows(site: str, tokens: int, hidden: int, rounds: int) -> li
                "warps8": dataclasses.replace(shipped, num_warps=8),
                "warps8_no_prefetch": dataclasses.replace(shipped, num_warps=8, prefetch=False),
                "hoist_tables_toggled": dataclasses.replace(shipped, hoist_tables=not shipped.hoist_tables),
-               "early_streams_toggled": dataclasses.replace(shipped, early_streams=not shipped.early_streams)}
+               "early_streams_toggled": dataclasses.replace(shipped, early_streams=not shipped.early_streams),
+               # the row re-read from the caches in pass 2 instead of held: registers for a second program per SM
+               "rows_reread": dataclasses.replace(shipped, prefetch=False, hold_rows=False),
+               "rows_reread_two_programs_per_sm": dataclasses.replace(shipped, prefetch=False, hold_rows=False,
+                                                                      **programs(2)),
+               "rows_reread_warps8_two_programs_per_sm": dataclasses.replace(
+                   shipped, prefetch=False, hold_rows=False, num_warps=8, **programs(2))}
     needs = Needs(lead=site != "C")
     runs = {name: (lambda c=c: launch_backward(a, *rows_, needs, lambda kernel: kernel, c))
             for name, c in configs.items()}

@@ -21,7 +21,9 @@ not hide an fp32 sum's own error. ``contract.Rounding`` states the same contract
 what autograd does not ask for.
 
 Each program runs through ``rows_per_program`` consecutive rows, one row at a time, the row in registers in
-chunks of ``CHUNK`` columns (``PREFETCH``: the next row's streamed inputs loaded during the row's work;
+chunks of ``CHUNK`` columns (``HOLD_ROWS``: ``u`` and ``dy`` held from pass 1 to pass 2; else each pass loads
+them, pass 2 from the caches pass 1 filled, which frees the registers a held row takes; ``PREFETCH`` (held rows
+only): the next row's streamed inputs loaded during the row's work;
 ``HOIST_TABLES``: the weight's and the row's table chunks held in registers rather than loaded where each
 chunk uses them; ``EARLY_STREAMS``: ``du`` and ``branch`` loaded at the row's start, ahead of its first
 store), and adds each row's contribution to the table and weight gradients into fp32 registers. Where table gradients
@@ -247,7 +249,7 @@ def modulation_backward_kernel(
     NEED_X: tl.constexpr, NEED_BRANCH: tl.constexpr, NEED_SHIFT: tl.constexpr, NEED_SCALE: tl.constexpr,
     NEED_GATE: tl.constexpr, NEED_W: tl.constexpr, SORTED: tl.constexpr, ORDERED_INDEX: tl.constexpr,
     ROW_PER_KEY: tl.constexpr,
-    COMPENSATE_TABLES: tl.constexpr, COMPENSATE_W: tl.constexpr, PREFETCH: tl.constexpr,
+    COMPENSATE_TABLES: tl.constexpr, COMPENSATE_W: tl.constexpr, HOLD_ROWS: tl.constexpr, PREFETCH: tl.constexpr,
     HOIST_TABLES: tl.constexpr, EARLY_STREAMS: tl.constexpr, INTERPRETED: tl.constexpr, CHUNK: tl.constexpr,
 ):
     act: tl.constexpr = dx_ptr.dtype.element_ty
@@ -290,8 +292,8 @@ def modulation_backward_kernel(
                 dy_next = _chunks(dy_ptr, t_next, stride_dy, s + 1 < end, lanes, HAS_NORM, CHUNK, HIDDEN)
                 u_next = _chunks(u_ptr, t_next, stride_u, s + 1 < end, lanes, HAS_NORM, CHUNK, HIDDEN)
             else:
-                dys = _chunks(dy_ptr, t, stride_dy, s < end, lanes, HAS_NORM, CHUNK, HIDDEN)
-                us = _chunks(u_ptr, t, stride_u, s < end, lanes, HAS_NORM, CHUNK, HIDDEN)
+                dys = _chunks(dy_ptr, t, stride_dy, s < end, lanes, HAS_NORM and HOLD_ROWS, CHUNK, HIDDEN)
+                us = _chunks(u_ptr, t, stride_u, s < end, lanes, HAS_NORM and HOLD_ROWS, CHUNK, HIDDEN)
                 t_next, k_next = _row(s + 1, s + 1 < end, order_ptr, idx_ptr, num_table_rows, SORTED, ORDERED_INDEX)
             if HOIST_TABLES and not SORTED:  # rows in index order: each row's own table row, at its start
                 scales = _chunks(scale_ptr, k, stride_scale, s < end, lanes, HAS_NORM, CHUNK, HIDDEN, False)
@@ -307,7 +309,8 @@ def modulation_backward_kernel(
                 if LAYER_NORM:
                     sums = tl.zeros([CHUNK], tl.float32)
                     for c in tl.static_range(CHUNKS):
-                        sums += widened(us[c])
+                        cols = c * CHUNK + lanes
+                        sums += widened(_chunk_of(us, c, u_ptr, t, stride_u, cols, cols < HIDDEN, HOLD_ROWS))
                     # the means as FMAs with +0 (the same values): a product would contract into the adds that
                     # take them
                     mean = tl.fma(tl.sum(sums, axis=0), tl.cast(1.0 / HIDDEN, tl.float32), 0.0)
@@ -319,15 +322,16 @@ def modulation_backward_kernel(
                     ok = cols < HIDDEN
                     scale = _chunk_of(scales, c, scale_ptr, k, stride_scale, cols, ok, HOIST_TABLES)
                     w = _chunk_of(ws, c, w_ptr, 0, 0, cols, ok, HOIST_TABLES) if HAS_WEIGHT else 0.0
-                    u32 = widened(us[c])
+                    u32 = widened(_chunk_of(us, c, u_ptr, t, stride_u, cols, ok, HOLD_ROWS))
+                    dy = _chunk_of(dys, c, dy_ptr, t, stride_dy, cols, ok, HOLD_ROWS)
                     if LAYER_NORM:
                         u32 = tl.where(ok, u32 - mean, 0.0)
                     squares = tl.fma(u32, u32, squares)
-                    _, dxhat = _normed_input_gradient(dys[c], scale, w, act, HAS_WEIGHT, ROUND_NORM,
+                    _, dxhat = _normed_input_gradient(dy, scale, w, act, HAS_WEIGHT, ROUND_NORM,
                                                       ROUND_NORM_BEFORE_WEIGHT, ROUND_AFFINE, INTERPRETED)
                     products = tl.fma(dxhat, u32, products)
                     if LAYER_NORM:
-                        dxhats = _dxhat_plus(dys[c], scale, w, dxhats, act, HAS_WEIGHT, ROUND_NORM, ROUND_AFFINE,
+                        dxhats = _dxhat_plus(dy, scale, w, dxhats, act, HAS_WEIGHT, ROUND_NORM, ROUND_AFFINE,
                                              INTERPRETED)
                 r = rsqrt(tl.fma(tl.sum(squares, axis=0), tl.cast(1.0 / HIDDEN, tl.float32), tl.cast(eps, tl.float32)),
                           INTERPRETED)
@@ -342,7 +346,8 @@ def modulation_backward_kernel(
                     if HAS_GATE else 0.0
                 dy, u32, scale, w = 0.0, 0.0, 0.0, 0.0
                 if HAS_NORM:
-                    dy, u32 = dys[c], widened(us[c])
+                    dy = _chunk_of(dys, c, dy_ptr, t, stride_dy, cols, ok, HOLD_ROWS)
+                    u32 = widened(_chunk_of(us, c, u_ptr, t, stride_u, cols, ok, HOLD_ROWS))
                     if LAYER_NORM:
                         u32 = u32 - mean
                     scale = _chunk_of(scales, c, scale_ptr, k, stride_scale, cols, ok, HOIST_TABLES)

@@ -68,11 +68,18 @@ def test_every_gradient_matches_the_reference(site, tokens, hidden, table_rows, 
 @pytest.mark.parametrize("index_runs", [False, True])
 def test_rows_in_chunks_many_programs_and_runs_of_the_index(site, index_runs):
     """Rows in 32-column chunks (H = 101: four, the last 5 wide), one row per program and eight, without the
-    prefetch and with it, the index in runs (as in the model) or drawn per row."""
+    prefetch and with it, and with the row re-read instead of held (``hold_rows=False``), the index in runs (as
+    in the model) or drawn per row."""
     t = saved(site, 45, 101, 5, seed=3, runs=index_runs)
-    for rows_per_program, prefetch in itertools.product((1, 8), (False, True)):
-        config = BackwardConfig(32, 1, rows_per_program, -(-45 // rows_per_program), prefetch)
+    builds = [*itertools.product((1, 8), ((False, True), (True, True))), (8, (False, False))]
+    for rows_per_program, (prefetch, hold) in builds:
+        config = BackwardConfig(32, 1, rows_per_program, -(-45 // rows_per_program), prefetch, hold_rows=hold)
         assert_same(*both(t, "bf16", False, Needs(), config))
+
+
+def test_a_prefetch_of_rows_not_held_is_refused():
+    with pytest.raises(ValueError, match="prefetch=True needs hold_rows=True"):
+        BackwardConfig(32, 1, 8, 3, prefetch=True, hold_rows=False)
 
 
 @pytest.mark.parametrize("site, asked, weighted", [("B", (), True), ("B", ("lead", "branch"), True), ("A", (), False)],
@@ -157,3 +164,7 @@ def test_family_forms_match_the_reference(site, form, shared_rows):
     assert spec.ROW_PER_KEY is per_token
     got = launch_backward(a, *rows, Needs(), lambda kernel: kernel, config, ordered_index=saved.ordered_index)
     assert_same(got, reference_backward(a, *rows, Needs()))
+    if site == "B" and form.norm == "layer":  # the rows re-read in each pass instead of held: the same bits
+        reread = dataclasses.replace(config, prefetch=False, hold_rows=False)
+        again = launch_backward(a, *rows, Needs(), lambda kernel: kernel, reread, ordered_index=saved.ordered_index)
+        assert all(torch.equal(again[k], got[k]) for k in got)
