@@ -70,10 +70,10 @@ def test_rows_in_chunks_many_programs_and_runs_of_the_index(site, index_runs):
     """Rows in 32-column chunks (H = 101: four, the last 5 wide), one row per program and eight, without the
     prefetch and with it, and with the row re-read instead of held (``hold_rows=False``), the index in runs (as
     in the model) or drawn per row."""
-    t = saved(site, 45, 101, 5, seed=3, runs=index_runs)
+    t = saved(site, 21, 101, 5, seed=3, runs=index_runs)
     builds = [*itertools.product((1, 8), ((False, True), (True, True))), (8, (False, False))]
     for rows_per_program, (prefetch, hold) in builds:
-        config = BackwardConfig(32, 1, rows_per_program, -(-45 // rows_per_program), prefetch, hold_rows=hold)
+        config = BackwardConfig(32, 1, rows_per_program, -(-21 // rows_per_program), prefetch, hold_rows=hold)
         assert_same(*both(t, "bf16", False, Needs(), config))
 
 
