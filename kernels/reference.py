@@ -104,10 +104,17 @@ def modulate(n: torch.Tensor, a: ModulationArgs) -> torch.Tensor:
 
     Under ``fp32`` (``Rounding.fused_multiply_add``) the CUDA kernel computes ``n * p + shift`` as one
     FMA; this reference rounds the product to fp32 first, so the two can differ by a last-bit flip of the
-    output, each within the policy."""
-    one_plus = _round(1.0 + rows_of(a.scale, a).to(n.dtype), a.dtype, a.rounding.affine)
-    product = _round(n * one_plus, a.dtype, a.rounding.affine)
-    return (product + rows_of(a.shift, a).to(n.dtype)).to(a.dtype)
+    output, each within the policy. With copies of the rows, ``[M, R, H]``: each copy's modulation of ``n``, one
+    expression a copy (stacked), so that a compiler computes them in one pass over ``n`` as eager's graph is."""
+    scale, shift = (rows_of(t, a).to(n.dtype) for t in (a.scale, a.shift))
+
+    def modulated(scale, shift):
+        one_plus = _round(1.0 + scale, a.dtype, a.rounding.affine)
+        return (_round(n * one_plus, a.dtype, a.rounding.affine) + shift).to(a.dtype)
+
+    if a.copies is None:
+        return modulated(scale, shift)
+    return torch.stack([modulated(*rows) for rows in zip(scale.chunk(a.copies), shift.chunk(a.copies))])
 
 
 def reference_modulation(a: ModulationArgs) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -117,7 +124,7 @@ def reference_modulation(a: ModulationArgs) -> tuple[torch.Tensor | None, torch.
     if a.scale is None:
         return u, None
     n = norm((u if u is not None else a.x).reshape(-1, a.hidden), a)
-    return u, modulate(n.repeat(a.modulations, 1) if a.copies else n, a).view(a.y_shape)
+    return u, modulate(n, a).view(a.y_shape)
 
 
 def _index_sum(rows: torch.Tensor, index: torch.Tensor, num_rows: int, exact: bool = False) -> torch.Tensor:
