@@ -2,12 +2,13 @@
 
     python benchmarks/bench_family.py --out benchmarks/results/family.json [--parts sites blocks] [--models flux wan]
 
-1. ``sites``: per model, its site forms (``MODELS``: norm and spelling, rows' source, fp32 rows) at its hidden
-   size, sites A, B and C, batch 1 at 16,384 tokens and at the model's typical count: eager, Inductor,
-   Inductor with ``emulate_precision_casts``, the eager site compiled with ``backend="h3_fused"`` (``bf16``) and
-   the fused op called directly, beside a copy of the site's minimal bytes (``family_minimal_bytes``). Each row:
+1. ``sites``: per model, its site forms (``MODELS``: norm and spelling, rows' source, fp32 rows, modulations of
+   one norm) at its hidden size, sites A, B and C (SD3.5's A and B with their norm modulated twice), batch 1 at
+   16,384 tokens and at the model's typical count: eager, Inductor, Inductor with ``emulate_precision_casts``, the
+   eager site compiled with ``backend="h3_fused"`` (``bf16``) and the fused op called directly, beside a copy of
+   the site's minimal bytes (``family_minimal_bytes``). Each row:
    ``us_graph`` (``timing.graph_ms``), ``roof_share`` (minimal bytes over ``us_graph`` against the run's copy
-   bandwidth), ``mismatch`` (the share of the output's elements, ``y`` or for C ``u``, not eager's bits) and, for
+   bandwidth), ``mismatch`` (the share of the outputs' elements not eager's bits) and, for
    the compiled variants, the sites the pass fused.
 2. ``blocks``: ``examples/dit_family.py``'s models at the released dims with 2 blocks, eager, Inductor with
    ``emulate_precision_casts`` and h3_fused (``bf16``), whole-model and by repeated blocks: ms per forward
@@ -47,7 +48,7 @@ MODELS = {  # model: (hidden, its sites' form, its typical tokens per sample; di
     "qwen_image_edit": (3072, FamilyForm("layer", "chosen"), 8192),
     "ltx_video": (2048, FamilyForm("diffusers_rms", "per_sample"), 12288),
     "sd3": (1536, FamilyForm("layer", "per_sample"), 4429),
-    "sd3_5": (2432, FamilyForm("layer", "per_sample"), 4429),  # SD3.5 Large; its twice-modulated norm: blocks part
+    "sd3_5": (2432, FamilyForm("layer", "per_sample", modulations=2), 4429),  # SD3.5 Large: one norm modulated twice
 }
 TOKENS = 16384
 SITE_VARIANTS = {  # name -> (backend, options); None: eager
@@ -66,9 +67,9 @@ def fresh() -> None:
     torch.cuda.empty_cache()
 
 
-def output_of(site: str, result) -> torch.Tensor:
-    """``y`` (sites A, B) or ``u`` (site C) of a site's result."""
-    return result[1] if site == "B" else result
+def outputs_of(result) -> torch.Tensor:
+    """Every output of a site's result (``y``, ``(u, y)``, ``u``; a ``y`` per modulation), flattened into one."""
+    return torch.cat([t.flatten() for t in (result if isinstance(result, tuple) else (result,))])
 
 
 def sites_part(models, rows: list, save) -> None:
@@ -81,7 +82,7 @@ def sites_part(models, rows: list, save) -> None:
                 fresh()
                 inputs = family_inputs(site, form, 1, tokens, hidden)
                 eager = family_eager_site(site, form)
-                expected = output_of(site, eager(**inputs))
+                expected = outputs_of(eager(**inputs))
                 nbytes = family_minimal_bytes(site, form, inputs)
                 case = dict(part="sites", model=model, site=site, T=tokens, H=hidden, norm=form.norm,
                             source=form.source, in_fp32=form.in_fp32, roof_gbs=roof)
@@ -91,7 +92,7 @@ def sites_part(models, rows: list, save) -> None:
                 calls["h3_fused_op"] = family_fused_site(site, form, "bf16")
                 for name, fn in calls.items():
                     counters.clear()
-                    got = output_of(site, fn(**inputs))
+                    got = outputs_of(fn(**inputs))
                     fused = sum(counters["h3_fused"][k] for k in ("norm_modulate", "gate_norm_modulate", "gate_residual"))
                     ms = graph_ms(lambda fn=fn: fn(**inputs))
                     gbs = nbytes / ms / 1e6

@@ -13,8 +13,8 @@ them: the one catalogue the tests and the benchmarks share.
 
 The DiT family's forms (``FamilyForm``: the norm and its spelling, where the rows come from, fp32 rows with the
 norm and affine of the fp32 upcast) have their own: ``family_modulation``, ``family_rows``, ``family_inputs``,
-``family_eager_site``, ``family_exact_site``, ``family_fused_site``, ``family_modulated_twice`` (SD3.5's norm
-modulated twice), ``family_backward_inputs`` and ``family_minimal_bytes``.
+``family_modulations``, ``family_eager_site``, ``family_exact_site``, ``family_fused_site``,
+``family_backward_inputs`` and ``family_minimal_bytes``.
 """
 
 from __future__ import annotations
@@ -209,15 +209,23 @@ class FamilyForm:
     chunks of one ``[B, 6H]`` projection), one per token (``[B, T, H]``), one for all (``[H]``), or chosen per token
     between two per sample by ``torch.where`` (Qwen-Image-Edit's ``zero_cond_t``: a ``[2B, 6H]`` projection, the
     first B rows where the token's ``choice`` holds); ``in_fp32``: the rows fp32, the norm of the fp32 upcast with
-    the affine and the gated residual in fp32, one cast (Wan)."""
+    the affine and the gated residual in fp32, one cast (Wan); ``modulations``: how many times the one norm output
+    is modulated (SD3.5's ``SD35AdaLayerNormZeroX``: twice; rows given, not chosen)."""
 
     norm: str = "layer"
     source: str = "per_sample"
     in_fp32: bool = False
+    modulations: int = 1
+
+    def __post_init__(self):
+        if self.modulations not in (1, 2) or (self.modulations > 1 and self.source == "chosen"):
+            raise ValueError(f"FamilyForm: modulations must be 1 or 2 (2 with rows given, not chosen), got "
+                             f"{self.modulations} with {self.source!r} rows")
 
     def __str__(self) -> str:
-        """The form in a test's or a printout's terms: ``norm-source``, ``-fp32`` where ``in_fp32``."""
-        return f"{self.norm}-{self.source}{'-fp32' if self.in_fp32 else ''}"
+        """The form in a test's or a printout's terms: ``norm-source``, ``-fp32`` where ``in_fp32``, ``-x2`` where
+        modulated twice."""
+        return f"{self.norm}-{self.source}{'-fp32' if self.in_fp32 else ''}{'-x2' if self.modulations > 1 else ''}"
 
     def op_flags(self) -> dict:
         """The fused ops' keywords for this form."""
@@ -240,15 +248,27 @@ def family_modulation(form: FamilyForm, batch: int, tokens: int, hidden: int, *,
     return (0.3 * torch.randn(*shape, 6 * hidden, generator=generator, device=device)).to(dtype)
 
 
-def family_rows(form: FamilyForm, modulation: torch.Tensor, choice: torch.Tensor | None = None) -> tuple:
-    """``(shift, scale, gate)`` as a model of ``form`` takes them from its projection: ``chunk(6, -1)``, viewed
-    ``[:, None]`` per sample (broadcast over the tokens); chosen per token, ``torch.where(choice[..., None],
-    first half, second half)`` with a condition written once per row, as Qwen-Image writes it."""
-    rows = modulation.chunk(6, -1)[:3]
+def _chunks(form: FamilyForm, modulation: torch.Tensor, choice: torch.Tensor | None, count: int) -> tuple:
+    """The first ``count`` of the projection's 6 chunks as a model of ``form`` uses them: viewed ``[:, None]`` per
+    sample (broadcast over the tokens); chosen per token, ``torch.where(choice[..., None], first half, second
+    half)`` with a condition written once per row, as Qwen-Image writes it."""
+    rows = modulation.chunk(6, -1)[:count]
     if form.source == "chosen":
         samples = modulation.shape[0] // 2
         return tuple(torch.where(choice[..., None] == 1, r[:samples, None], r[samples:, None]) for r in rows)
     return tuple(r[:, None] for r in rows) if form.source == "per_sample" else rows
+
+
+def family_rows(form: FamilyForm, modulation: torch.Tensor, choice: torch.Tensor | None = None) -> tuple:
+    """``(shift, scale, gate)`` as a model of ``form`` takes them from its projection (chunks 0, 1 and 2)."""
+    return _chunks(form, modulation, choice, 3)
+
+
+def family_modulations(form: FamilyForm, modulation: torch.Tensor, choice: torch.Tensor | None = None) -> list:
+    """The ``(shift, scale)`` of each of ``form``'s modulations of its one norm output: chunks 0 and 1, then (a
+    second modulation, as SD3.5's) chunks 3 and 4."""
+    rows = _chunks(form, modulation, choice, 5)
+    return [(rows[0], rows[1]), (rows[3], rows[4])][:form.modulations]
 
 
 def family_inputs(site: str, form: FamilyForm, batch: int, tokens: int, hidden: int, *, device="cuda",
@@ -268,9 +288,9 @@ def family_inputs(site: str, form: FamilyForm, batch: int, tokens: int, hidden: 
 
 def family_eager_site(site: str, form: FamilyForm, eps: float = 1e-6):
     """The eager function of ``site`` as a model of ``form`` writes it, rows chunked from the projection
-    (``family_rows``): ``u = res + gate * branch`` (in fp32 with one cast where ``in_fp32``);
+    (``family_rows``, ``family_modulations``): ``u = res + gate * branch`` (in fp32 with one cast where ``in_fp32``);
     ``y = norm(x) * (1 + scale) + shift`` cast to the activations' dtype, the norm of ``x.float()`` where
-    ``in_fp32``."""
+    ``in_fp32``; modulated twice, ``y`` and ``y2`` of the one norm (outputs ``(y, y2)``, ``(u, y, y2)``)."""
     def norm(x):
         base = x.float() if form.in_fp32 else x
         if form.norm == "layer":
@@ -279,20 +299,21 @@ def family_eager_site(site: str, form: FamilyForm, eps: float = 1e-6):
             return F.rms_norm(base, (base.shape[-1],), eps=eps)
         return (base * torch.rsqrt(base.float().pow(2).mean(-1, keepdim=True) + eps)).to(base.dtype)
 
-    def modulated(x, shift, scale):
-        return (norm(x) * (1 + scale) + shift).type_as(x)
+    def modulated(x, modulation, choice):
+        n = norm(x)
+        return tuple((n * (1 + scale) + shift).type_as(x)
+                     for shift, scale in family_modulations(form, modulation, choice))
 
     def gated(residual, gate, branch):
         return (residual.float() + branch * gate).type_as(residual) if form.in_fp32 else residual + gate * branch
 
     def a(x, modulation, choice=None):
-        shift, scale, _ = family_rows(form, modulation, choice)
-        return modulated(x, shift, scale)
+        ys = modulated(x, modulation, choice)
+        return ys if form.modulations > 1 else ys[0]
 
     def b(residual, branch, modulation, choice=None):
-        shift, scale, gate = family_rows(form, modulation, choice)
-        u = gated(residual, gate, branch)
-        return u, modulated(u, shift, scale)
+        u = gated(residual, family_rows(form, modulation, choice)[2], branch)
+        return u, *modulated(u, modulation, choice)
 
     def c(residual, branch, modulation, choice=None):
         return gated(residual, family_rows(form, modulation, choice)[2], branch)
@@ -309,46 +330,33 @@ def family_exact_site(site: str, form: FamilyForm, eps: float = 1e-6):
 
 
 def family_fused_site(site: str, form: FamilyForm, policy: str, eps: float = 1e-6):
-    """A call of ``site``'s public op on ``family_inputs(site, form, ...)``."""
+    """A call of ``site``'s public op on ``family_inputs(site, form, ...)``, its outputs as ``family_eager_site``'s
+    (modulated twice: the rows of the two modulations as copies, stacked, and ``y`` unbound)."""
     flags = dict(form.op_flags(), eps=eps, policy=policy)
 
+    def rows(modulation, choice):  # (shift, scale), each with a leading dim of copies where modulated twice
+        pairs = family_modulations(form, modulation, choice)
+        if form.modulations == 1:
+            return pairs[0]
+        return tuple(torch.stack([r.view((1,) * (3 - r.dim()) + tuple(r.shape)) for r in copies])
+                     for copies in zip(*pairs))
+
+    def outputs(y):
+        return tuple(y.unbind(0)) if form.modulations > 1 else (y,)
+
     def a(x, modulation, choice=None):
-        shift, scale, _ = family_rows(form, modulation, choice)
-        return norm_modulate(x, None, shift, scale, None, **flags)
+        ys = outputs(norm_modulate(x, None, *rows(modulation, choice), None, **flags))
+        return ys if form.modulations > 1 else ys[0]
 
     def b(residual, branch, modulation, choice=None):
-        shift, scale, gate = family_rows(form, modulation, choice)
-        return gate_norm_modulate(residual, gate, branch, None, shift, scale, None, **flags)
+        gate = family_rows(form, modulation, choice)[2]
+        u, y = gate_norm_modulate(residual, gate, branch, None, *rows(modulation, choice), None, **flags)
+        return u, *outputs(y)
 
     def c(residual, branch, modulation, choice=None):
         return gate_residual(residual, family_rows(form, modulation, choice)[2], branch, None, policy=policy)
 
     return {"A": a, "B": b, "C": c}[site]
-
-
-def family_modulated_twice(site: str, form: FamilyForm, inputs: dict, policy: str = "bf16", eps: float = 1e-6):
-    """``(got, expected)`` of ``site`` (A or B) in ``form`` (rows given, not chosen) whose norm output is modulated
-    twice, as SD3.5's ``SD35AdaLayerNormZeroX`` does: by the rows of ``inputs["modulation"]`` and by those of its
-    chunks rolled by three (another shift and scale, of the same form). ``got``: the op with both pairs of rows as
-    copies (stacked), its ``y`` unbound; ``expected``: the eager site for each pair. Each a tuple of the site's
-    outputs, ``(y, y2)`` or ``(u, y, y2)``."""
-    hidden = inputs["branch" if site == "B" else "x"].shape[-1]
-    second = inputs["modulation"].roll(3 * hidden, -1)
-    (shift, scale, gate), (shift2, scale2, _) = (family_rows(form, m) for m in (inputs["modulation"], second))
-    flags = dict(form.op_flags(), eps=eps, policy=policy)
-    def copies(*rows):  # each with the activations' dims (rows for all, [H], as [1, 1, H]), stacked
-        return torch.stack([r.view((1,) * (3 - r.dim()) + tuple(r.shape)) for r in rows])
-
-    pairs = dict(shift=copies(shift, shift2), scale=copies(scale, scale2))
-    if site == "A":
-        got = tuple(norm_modulate(inputs["x"], None, pairs["shift"], pairs["scale"], None, **flags).unbind(0))
-        return got, (family_eager_site("A", form, eps)(inputs["x"], inputs["modulation"]),
-                     family_eager_site("A", form, eps)(inputs["x"], second))
-    u, y = gate_norm_modulate(inputs["residual"], gate, inputs["branch"], None, pairs["shift"], pairs["scale"], None,
-                              **flags)
-    expected_u, expected_y = family_eager_site("B", form, eps)(inputs["residual"], inputs["branch"],
-                                                                inputs["modulation"])
-    return (u, *y.unbind(0)), (expected_u, expected_y, family_eager_site("A", form, eps)(expected_u, second))
 
 
 def family_backward_inputs(site: str, form: FamilyForm, batch: int, tokens: int, hidden: int, *, device="cuda",
@@ -375,11 +383,14 @@ def family_backward_inputs(site: str, form: FamilyForm, batch: int, tokens: int,
 
 
 def family_minimal_bytes(site: str, form: FamilyForm, inputs: dict) -> int:
-    """What ``site`` must move: each activation read once and each output written once, and the rows it uses
-    wherever they are one per token (rows per sample or for all, and a choice's index per token, are negligible)."""
+    """What ``site`` must move: each activation read once and each output written once (a ``y`` per modulation),
+    and the rows it uses wherever they are one per token (rows per sample or for all, and a choice's index per
+    token, are negligible)."""
     lead = inputs.get("x", inputs.get("residual"))
     rows = lead.numel() // lead.shape[-1]
     modulation = inputs["modulation"]
-    per_token = 0 if form.source != "per_token" else {"A": 2, "B": 3, "C": 1}[site] * modulation.numel() // 6 * (
-        modulation.element_size())
-    return minimal_bytes(site, rows, lead.shape[-1], lead.element_size()) + per_token
+    extra = form.modulations - 1 if site != "C" else 0  # the further modulations' outputs and rows
+    per_token = 0 if form.source != "per_token" else ({"A": 2, "B": 3, "C": 1}[site] + 2 * extra) * (
+        modulation.numel() // 6 * modulation.element_size())
+    return minimal_bytes(site, rows, lead.shape[-1], lead.element_size()) + extra * lead.numel() * \
+        lead.element_size() + per_token

@@ -65,7 +65,7 @@ def test_the_fp32_policy_fuses_the_same_sites_within_its_bound(name):
 @pytest.mark.usefixtures("fresh_compile")
 @pytest.mark.parametrize("form", [FamilyForm("layer", "per_sample", True), FamilyForm("layer", "per_token", True),
                                   FamilyForm("diffusers_rms", "per_token"), FamilyForm("rms", "one_for_all"),
-                                  FamilyForm("rms", "chosen")],
+                                  FamilyForm("rms", "chosen"), FamilyForm("layer", "per_sample", modulations=2)],
                          ids=str)
 def test_each_site_of_the_benchmarks_forms_is_one_fused_site(form):
     """The sites ``benchmarks/bench_family.py`` times (``h3_fused.kernels.testing``'s family forms, rows chunked from
@@ -78,7 +78,8 @@ def test_each_site_of_the_benchmarks_forms_is_one_fused_site(form):
         got = torch.compile(eager, backend="h3_fused", options={"dtype_policy": "bf16"})(**inputs)
         assert dict(counters["h3_fused"]) == {op: 1}, (site, dict(counters["h3_fused"]))
         tolerance = dict(rtol=0, atol=0) if inductor_matches_eager_on_cpu() else dict(rtol=2 ** -6, atol=2 ** -6)
-        for g, e in zip(*((got, eager(**inputs)) if site == "B" else ((got,), (eager(**inputs),)))):
+        expected = eager(**inputs)
+        for g, e in zip(*((got, expected) if isinstance(got, tuple) else ((got,), (expected,))), strict=True):
             torch.testing.assert_close(g.float(), e.float(), **tolerance)
 
 
