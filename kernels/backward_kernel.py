@@ -23,7 +23,8 @@ what autograd does not ask for.
 Each program runs through ``rows_per_program`` consecutive rows, one row at a time, the row in registers in
 chunks of ``CHUNK`` columns (``HOLD_ROWS``: ``u`` and ``dy`` held from pass 1 to pass 2; else each pass loads
 them, pass 2 from the caches pass 1 filled, which frees the registers a held row takes; ``PREFETCH`` (held rows
-only): the next row's streamed inputs loaded during the row's work;
+only): the next row's streamed inputs loaded during the row's work; ``WARM_NEXT_ROW``: the next row's streams not
+prefetched brought into L2 during the row's work, by loads whose results are unused;
 ``HOIST_TABLES``: the weight's and the row's table chunks held in registers rather than loaded where each
 chunk uses them; ``EARLY_STREAMS``: ``du`` and ``branch`` loaded at the row's start, ahead of its first
 store), and adds each row's contribution to the table and weight gradients into fp32 registers. Where table gradients
@@ -226,6 +227,20 @@ def _chunks(ptr, t, stride, valid, lanes, WANTED: tl.constexpr, CHUNK: tl.conste
 
 
 @triton.jit
+def _warm_row(ptr, t, stride, valid, lanes, WANTED: tl.constexpr, CHUNK: tl.constexpr, HIDDEN: tl.constexpr):
+    """Where ``WANTED`` (and ``valid``), bring row ``t`` into L2: one element of each of its 32-byte sectors, one per
+    lane, by ``volatile`` loads whose results are unused (the compiler keeps them; no register waits on them).
+    Changes no result."""
+    if WANTED:
+        per_sector: tl.constexpr = 256 // ptr.dtype.element_ty.primitive_bitwidth
+        SECTORS: tl.constexpr = triton.cdiv(HIDDEN, per_sector)
+        for first in tl.static_range(0, SECTORS, CHUNK):
+            sector = first + lanes
+            tl.load(ptr + t * stride + sector * per_sector, mask=(sector < SECTORS) & _everywhere(valid, lanes),
+                    volatile=True)
+
+
+@triton.jit
 def _chunk_of(held, c: tl.constexpr, ptr, t, stride, cols, ok, HELD: tl.constexpr, STREAMED: tl.constexpr = False):
     """Chunk ``c`` (columns ``cols``) of row ``t``: from the chunks ``held`` where ``HELD``, else loaded."""
     if HELD:
@@ -250,7 +265,7 @@ def modulation_backward_kernel(
     NEED_GATE: tl.constexpr, NEED_W: tl.constexpr, SORTED: tl.constexpr, ORDERED_INDEX: tl.constexpr,
     ROW_PER_KEY: tl.constexpr,
     COMPENSATE_TABLES: tl.constexpr, COMPENSATE_W: tl.constexpr, HOLD_ROWS: tl.constexpr, PREFETCH: tl.constexpr,
-    HOIST_TABLES: tl.constexpr, EARLY_STREAMS: tl.constexpr, INTERPRETED: tl.constexpr, CHUNK: tl.constexpr,
+    WARM_NEXT_ROW: tl.constexpr, HOIST_TABLES: tl.constexpr, EARLY_STREAMS: tl.constexpr, INTERPRETED: tl.constexpr, CHUNK: tl.constexpr,
 ):
     act: tl.constexpr = dx_ptr.dtype.element_ty
     CHUNKS: tl.constexpr = triton.cdiv(HIDDEN, CHUNK)
@@ -300,6 +315,14 @@ def modulation_backward_kernel(
                 gates = _chunks(gate_ptr, k, stride_gate, s < end, lanes, NEED_BRANCH, CHUNK, HIDDEN, False)
             else:
                 scales, gates = segment_scales, segment_gates
+            # the next row's streams brought into L2 during this row's work (those not prefetched into registers)
+            _warm_row(u_ptr, t_next, stride_u, s + 1 < end, lanes, WARM_NEXT_ROW and HAS_NORM and not PREFETCH,
+                      CHUNK, HIDDEN)
+            _warm_row(dy_ptr, t_next, stride_dy, s + 1 < end, lanes, WARM_NEXT_ROW and HAS_NORM and not PREFETCH,
+                      CHUNK, HIDDEN)
+            _warm_row(du_ptr, t_next, stride_du, s + 1 < end, lanes, WARM_NEXT_ROW and HAS_GATE, CHUNK, HIDDEN)
+            _warm_row(branch_ptr, t_next, stride_branch, s + 1 < end, lanes, WARM_NEXT_ROW and NEED_GATE, CHUNK,
+                      HIDDEN)
             # the streams pass 2 reads, loaded before the row's first store (which they cannot pass: it may alias)
             dus = _chunks(du_ptr, t, stride_du, s < end, lanes, HAS_GATE and EARLY_STREAMS, CHUNK, HIDDEN)
             branches = _chunks(branch_ptr, t, stride_branch, s < end, lanes, NEED_GATE and EARLY_STREAMS, CHUNK,

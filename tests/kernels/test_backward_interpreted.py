@@ -68,12 +68,13 @@ def test_every_gradient_matches_the_reference(site, tokens, hidden, table_rows, 
 @pytest.mark.parametrize("index_runs", [False, True])
 def test_rows_in_chunks_many_programs_and_runs_of_the_index(site, index_runs):
     """Rows in 32-column chunks (H = 101: four, the last 5 wide), one row per program and eight, without the
-    prefetch and with it, and with the row re-read instead of held (``hold_rows=False``), the index in runs (as
-    in the model) or drawn per row."""
+    prefetch and with it, and with the row re-read instead of held and the next row warmed (``hold_rows=False``,
+    ``warm_next_row``), the index in runs (as in the model) or drawn per row."""
     t = saved(site, 21, 101, 5, seed=3, runs=index_runs)
-    builds = [*itertools.product((1, 8), ((False, True), (True, True))), (8, (False, False))]
-    for rows_per_program, (prefetch, hold) in builds:
-        config = BackwardConfig(32, 1, rows_per_program, -(-21 // rows_per_program), prefetch, hold_rows=hold)
+    builds = [*itertools.product((1, 8), ((False, True, False), (True, True, False))), (8, (False, False, True))]
+    for rows_per_program, (prefetch, hold, warm) in builds:
+        config = BackwardConfig(32, 1, rows_per_program, -(-21 // rows_per_program), prefetch, hold_rows=hold,
+                                warm_next_row=warm)
         assert_same(*both(t, "bf16", False, Needs(), config))
 
 
@@ -164,7 +165,7 @@ def test_family_forms_match_the_reference(site, form, shared_rows):
     assert spec.ROW_PER_KEY is per_token
     got = launch_backward(a, *rows, Needs(), lambda kernel: kernel, config, ordered_index=saved.ordered_index)
     assert_same(got, reference_backward(a, *rows, Needs()))
-    if site == "B" and form.norm == "layer":  # the rows re-read in each pass instead of held: the same bits
-        reread = dataclasses.replace(config, prefetch=False, hold_rows=False)
+    if site == "B" and form.norm == "layer":  # the rows re-read in each pass, the next warmed: the same bits
+        reread = dataclasses.replace(config, prefetch=False, hold_rows=False, warm_next_row=True)
         again = launch_backward(a, *rows, Needs(), lambda kernel: kernel, reread, ordered_index=saved.ordered_index)
         assert all(torch.equal(again[k], got[k]) for k in got)
