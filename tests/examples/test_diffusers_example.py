@@ -12,7 +12,7 @@ EXAMPLE = Path(__file__).parents[2] / "examples" / "diffusers_h3.py"
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", [[], ["--regional"]], ids=["whole", "regional"])
+@pytest.mark.parametrize("mode", [["--regional"]], ids=["regional"])  # whole: test_diffusers_model.py
 def test_the_diffusers_example_samples_with_the_sites_fused_and_bf16_equal_to_eager(mode):
     out = subprocess.run([sys.executable, str(EXAMPLE), "--steps", "2", *mode], capture_output=True, text=True,
                          timeout=600)

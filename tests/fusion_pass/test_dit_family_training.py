@@ -91,8 +91,8 @@ def test_a_norm_modulated_twice_is_refused_under_grad_with_its_reason(caplog):
     assert_gradients_close(grads, expected_grads)
 
 
-@pytest.mark.parametrize("name, regional, checkpointing", [("flux", False, False), ("wan", True, True)],
-                         ids=["flux", "wan-regional-checkpointing"])
+@pytest.mark.parametrize("name, regional, checkpointing", [("flux", True, False), ("wan", True, True)],
+                         ids=["flux-regional", "wan-regional-checkpointing"])
 def test_lora_fine_tunes_follow_eager(name, regional, checkpointing):
     """peft LoRA adapters on the attention and MLP linears, the rest frozen (so the sites' backward computes the
     activations' gradients alone): three AdamW steps give eager's losses within the ``bf16`` policy."""
