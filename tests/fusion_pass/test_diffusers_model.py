@@ -58,7 +58,7 @@ def test_the_models_precision_is_what_from_pretrained_loads(model, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("policy", ["bf16", "fp32"])
+@pytest.mark.parametrize("policy", ["bf16"])  # fp32's sites are the same: by blocks below (CI's time)
 def test_whole_compile_fuses_two_sites_per_block_and_the_output_norm(model, inputs, policy):
     eager = outputs(model, inputs)
     got = outputs(torch.compile(model, backend="h3_fused", options={"dtype_policy": policy}), inputs)

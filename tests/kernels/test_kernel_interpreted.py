@@ -79,7 +79,7 @@ def test_a_plain_rms_norm_matches_its_spelling(hidden, weighted, native):
 
 
 @pytest.mark.parametrize("hidden", [1, 31, 64, 101, 200])
-@pytest.mark.parametrize("tokens", [1, 5, 33])
+@pytest.mark.parametrize("tokens", [1, 33])
 @pytest.mark.parametrize("policy", ["bf16", "fp32"])
 @pytest.mark.parametrize("native", [False, True])
 def test_every_site_policy_and_norm_spelling_matches_the_reference(hidden, tokens, policy, native):
