@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import inspect
 
-from .backward import GRADIENTS, SavedSite, mixed_row_shapes, modulation_backward
+from .backward import GRADIENTS, SavedSite, modulation_backward, rows_without_fused_backward
 from .ops import PublicOp, gate_norm_modulate, gate_residual, norm_modulate
 
 
@@ -39,7 +39,8 @@ def register(public: PublicOp) -> None:
         ctx.save_for_backward(*saved.tensors())
         ctx.flags = saved.flags()
         lead = named.get("x", named.get("residual"))
-        ctx.unsupported = None if saved.index is not None else mixed_row_shapes(saved.tables(), lead.dim())
+        ctx.unsupported = None if saved.index is not None else rows_without_fused_backward(saved.tables(),
+                                                                                             lead.dim())
 
     def backward(ctx, *grads):
         if ctx.unsupported:

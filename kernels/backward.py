@@ -77,8 +77,9 @@ class SavedSite:
         """The site with rows given as rows that broadcast to the activations of ``shape`` restated as tables
         ``[K, H]`` (``K`` rows: the given rows' count) gathered by an index, one table row per activation row;
         the index is nondecreasing (``ordered_index``) where the rows vary only along a run of leading dims
-        (per sample, per token, one for all). The tables must broadcast alike (``mixed_row_shapes`` says
-        where they do not); their gradients come back ``[K, H]``: viewed as the rows' shape they are theirs."""
+        (per sample, per token, one for all). The tables must broadcast alike, without copies
+        (``rows_without_fused_backward`` says where not); their gradients come back ``[K, H]``: viewed as the rows'
+        shape they are theirs."""
         tables = self.tables()
         first = next(iter(tables.values()))
         rows, lead = row_dims(first, len(shape)), tuple(shape[:-1])
@@ -109,10 +110,9 @@ def row_dims(rows: Tensor, rank: int) -> tuple[int, ...]:
     return (1,) * (rank - rows.dim()) + tuple(rows.shape[:-1])
 
 
-def mixed_row_shapes(tables: dict[str, Tensor | None], rank: int) -> str | None:
-    """Where given modulation rows broadcast differently (``SavedSite.gathered`` takes one index for all), what
-    differs, or that they have copies (a norm modulated more than once, which the backward does not take); else
-    None."""
+def rows_without_fused_backward(tables: dict[str, Tensor | None], rank: int) -> str | None:
+    """What of given modulation rows the fused backward does not take, or None: rows with copies (a norm modulated
+    more than once), or rows that broadcast differently (``SavedSite.gathered`` takes one index for all)."""
     copies = [t.shape[0] for t in tables.values() if t is not None and t.dim() > rank]
     if copies:
         return f"a norm modulated {copies[0]} times (rows with a leading dim of copies)"
