@@ -57,9 +57,10 @@ def call_layout(values) -> tuple | None:
 class DirectLaunch:
     """A direct call of one layout: the launch (``launch``) on the call's argument values at ``positions`` (one
     per slot of the launch; each value is the tensor the slot reads, a view of it at most), into new contiguous
-    outputs shaped as the first slot's tensor (``x`` or the residual; ``u`` where ``want_u``, ``y`` where
-    ``want_y``, with a leading dim of ``copies`` where the rows have copies), on ``device`` (made current for the launch). Under the interpreter (CPU tensors) the index
-    is checked on the host first (``index_position``, ``num_table_rows``). On CUDA the first call launches
+    outputs (``u`` where ``want_u``, shaped as the first slot's tensor, ``x`` or the residual; ``y`` of ``y_shape``,
+    ``ModulationArgs.y_shape``, where it is not None), on ``device`` (made current for the launch). Under the
+    interpreter (CPU tensors) the index is checked on the host first (``index_position``, ``num_table_rows``).
+    On CUDA the first call launches
     through Triton's ``JITFunction.run`` and keeps the kernel it compiled (``compiled``); later calls launch
     that kernel directly while Triton has no launch hook."""
 
@@ -67,10 +68,9 @@ class DirectLaunch:
     positions: tuple[int, ...]
     device: torch.device
     want_u: bool
-    want_y: bool
+    y_shape: torch.Size | None
     index_position: int | None
     num_table_rows: int
-    copies: int | None = None
     compiled: CompiledLaunch | None = field(default=None, compare=False)
 
     def __call__(self, values):
@@ -81,16 +81,13 @@ class DirectLaunch:
         tensors = [values[p] for p in self.positions]
         lead = tensors[0]  # x or the residual: the outputs' shape, dtype and device
         u = torch.empty_like(lead, memory_format=torch.contiguous_format) if self.want_u else None
-        y = None
-        if self.want_y:
-            y = torch.empty(lead.shape if self.copies is None else (self.copies, *lead.shape), dtype=lead.dtype,
-                            device=lead.device)
+        y = torch.empty(self.y_shape, dtype=lead.dtype, device=lead.device) if self.y_shape is not None else None
         if self.device.type == "cuda" and self.device.index != current_cuda_device():
             with torch.cuda.device(self.device):  # Triton launches on the current device
                 self._launch(tensors, u, y)
         else:
             self._launch(tensors, u, y)
-        return (u, y) if self.want_u and self.want_y else (u if self.want_u else y)
+        return (u, y) if self.want_u and y is not None else (u if self.want_u else y)
 
     def _launch(self, inputs, u, y):
         if self.compiled is not None and no_launch_hooks():
@@ -119,6 +116,7 @@ def plan_direct_call(signature: inspect.Signature, args: tuple, kwargs: dict) ->
            for slot, p in zip(launch.slots, positions)):
         return None
     on_host = a.device.type == "cpu"  # the interpreter: no kernel assertion guards the index
-    return DirectLaunch(launch, positions, a.device, want_u=a.gate is not None, want_y=a.scale is not None,
+    return DirectLaunch(launch, positions, a.device, want_u=a.gate is not None,
+                        y_shape=a.y_shape if a.scale is not None else None,
                         index_position=names.index("index") if on_host and a.gathered else None,
-                        num_table_rows=a.num_table_rows, copies=a.copies)
+                        num_table_rows=a.num_table_rows)
