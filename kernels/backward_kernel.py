@@ -265,7 +265,8 @@ def modulation_backward_kernel(
     NEED_GATE: tl.constexpr, NEED_W: tl.constexpr, SORTED: tl.constexpr, ORDERED_INDEX: tl.constexpr,
     ROW_PER_KEY: tl.constexpr,
     COMPENSATE_TABLES: tl.constexpr, COMPENSATE_W: tl.constexpr, HOLD_ROWS: tl.constexpr, PREFETCH: tl.constexpr,
-    WARM_NEXT_ROW: tl.constexpr, HOIST_TABLES: tl.constexpr, EARLY_STREAMS: tl.constexpr, INTERPRETED: tl.constexpr, CHUNK: tl.constexpr,
+    WARM_NEXT_ROW: tl.constexpr, HOIST_TABLES: tl.constexpr, EARLY_STREAMS: tl.constexpr, INTERPRETED: tl.constexpr,
+    CHUNK: tl.constexpr,
 ):
     act: tl.constexpr = dx_ptr.dtype.element_ty
     CHUNKS: tl.constexpr = triton.cdiv(HIDDEN, CHUNK)

@@ -156,7 +156,8 @@ class ForwardSpecialisation:
     """The forward kernel's constexprs (``forward_kernel``'s module docstring gives their meaning), in its order.
 
     The site: ``HIDDEN`` columns, a gate (sites B, C), a norm (A, B, a plain norm), its weight, an affine
-    (A, B; a plain norm has none) and how many modulations of the norm it stores, its rows gathered by the index or given, a LayerNorm or an RMSNorm. The rounding contract (``contract.Rounding``): ``ROUND_*``,
+    (A, B; a plain norm has none) and how many modulations of the norm it stores, its rows gathered by the index
+    or given, a LayerNorm or an RMSNorm. The rounding contract (``contract.Rounding``): ``ROUND_*``,
     ``FUSE_MULTIPLY_ADD``, and ``NORM_SUM_ORDER`` (a ``contract.SumOrder``'s value, as ``norm_sum_order``
     resolves it). ``INTERPRETED``: under Triton's interpreter. The ``LaunchConfig``: the rest."""
 

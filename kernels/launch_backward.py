@@ -158,7 +158,8 @@ def backward_specialisation(a: ModulationArgs, needs: Needs, config: BackwardCon
         SORTED=(need_shift or need_scale or need_gate) and not row_per_key, ORDERED_INDEX=ordered_index,
         ROW_PER_KEY=row_per_key, COMPENSATE_TABLES=any(compensated(t) for t in a.tables),
         COMPENSATE_W=compensated(a.weight),
-        HOLD_ROWS=config.hold_rows, PREFETCH=config.prefetch, WARM_NEXT_ROW=config.warm_next_row, HOIST_TABLES=config.hoist_tables, EARLY_STREAMS=config.early_streams,
+        HOLD_ROWS=config.hold_rows, PREFETCH=config.prefetch, WARM_NEXT_ROW=config.warm_next_row,
+        HOIST_TABLES=config.hoist_tables, EARLY_STREAMS=config.early_streams,
         INTERPRETED=interpreting(), CHUNK=config.chunk)
 
 
