@@ -5,12 +5,14 @@ layouts are copied) and takes its modulation rows (``shift``, ``scale``, ``gate`
 
 - ``index`` given: tables ``[K, H]`` with any row stride, and an int32/int64 ``index`` shaped like the activations
   without the last dim (read as ``R`` contiguous entries: other layouts are copied), a table row per token;
+  ``shift`` and ``scale`` may be ``[M, K, H]``, ``M`` copies of the tables (read as ``[M * K, H]``);
 - ``index`` None: rows that broadcast to the activations, ``H`` wide (one per sample, ``[B, 1, H]`` or
   ``[B, H][:, None]``; one per token, ``[B, T, H]``; one for all, ``[H]``), read in place as ``[B, T, H]``
   views whose sample and token strides may be 0. A site with a norm may take ``shift`` and ``scale`` with one
-  more leading dim than the activations, of ``M`` copies (``[M, B, 1, H]``): ``y`` is then ``M`` modulations
-  of the one norm, ``[M, ...]``, as torch broadcasts ``norm(x) * (1 + scale) + shift`` (SD3.5's norm modulated
-  twice); the copies' rows are read as ``[M * B, T, H]``.
+  more leading dim than the activations, of ``M`` copies (``[M, B, 1, H]``), read as ``[M * B, T, H]``.
+
+With copies, ``y`` is ``M`` modulations of the one norm, ``[M, ...]``, as torch broadcasts
+``norm(x) * (1 + scale) + shift`` (SD3.5's norm modulated twice).
 
 A plain norm (``x`` and its weight, no tables) has neither. Bad input raises ``ValueError``/``TypeError`` naming
 the argument.
@@ -47,13 +49,18 @@ def as_rows(name: str, t: torch.Tensor, hidden: int) -> torch.Tensor:
     return rows if rows.stride(1) == 1 or hidden == 1 else rows.contiguous()
 
 
-def check_table(name: str, t: object, hidden: int) -> torch.Tensor:
+def check_table(name: str, t: object, hidden: int, copies: int | None = None) -> torch.Tensor:
+    """A ``[K, H]`` table, or with ``copies`` (``M``) ``[M, K, H]`` tables read as ``[M * K, H]``, with unit
+    column stride (a copy where the layout has not)."""
     check_tensor(name, t, TABLE_DTYPES)
-    if t.dim() != 2 or t.shape[1] != hidden:
-        raise ValueError(f"{name} must be a [K, H={hidden}] table, got shape {tuple(t.shape)}")
-    if t.shape[0] == 0:
+    dims = 2 if copies is None else 3
+    if t.dim() != dims or t.shape[-1] != hidden:
+        form = f"a [K, H={hidden}] table" if copies is None else f"[M={copies}, K, H={hidden}] tables"
+        raise ValueError(f"{name} must be {form}, got shape {tuple(t.shape)}")
+    if t.shape[-2] == 0:
         raise ValueError(f"{name} must have at least one row")
-    return t if t.stride(1) == 1 else t.contiguous()
+    rows = t.reshape(-1, hidden)
+    return rows if rows.stride(1) == 1 else rows.contiguous()
 
 
 def check_rows(name: str, t: object, shape: torch.Size, copies: int | None = None) -> torch.Tensor:
@@ -79,16 +86,16 @@ def check_rows(name: str, t: object, shape: torch.Size, copies: int | None = Non
         return expanded.reshape(samples, tokens, hidden)
 
 
-def modulation_copies(shift: object, scale: object, shape: torch.Size) -> int | None:
-    """``M`` where ``shift`` and ``scale`` carry a leading dim of copies beyond the activations' ``shape``
-    (both, the same ``M``), else None."""
+def modulation_copies(shift: object, scale: object, dims: int) -> int | None:
+    """``M`` where ``shift`` and ``scale`` carry a leading dim of copies beyond their ``dims`` (the activations'
+    for given rows, 2 for tables), both the same ``M``, else None."""
     extra = {name: t.shape[0] for name, t in (("shift", shift), ("scale", scale))
-             if isinstance(t, torch.Tensor) and t.dim() == len(shape) + 1}
+             if isinstance(t, torch.Tensor) and t.dim() == dims + 1}
     if not extra:
         return None
     if len(extra) == 1 or extra["shift"] != extra["scale"] or 0 in extra.values():
-        raise ValueError(f"shift and scale must both have the activations' dims {len(shape)} or both one more (a "
-                         f"leading dim of M >= 1 copies), got shapes {tuple(shift.shape)} and {tuple(scale.shape)}")
+        raise ValueError(f"shift and scale must both have {dims} dims or both one more (a leading dim of M >= 1 "
+                         f"copies), got shapes {tuple(shift.shape)} and {tuple(scale.shape)}")
     return extra["shift"]
 
 
@@ -125,7 +132,8 @@ class ModulationArgs:
     rounding: Rounding
     has_norm: bool = True  # site A or B, or a plain norm; site C has none
     norm: str = "rms"  # "rms": x * rsqrt(mean(x^2) + eps); "layer": (x - mean) * rsqrt(var + eps)
-    copies: int | None = None  # M: shift and scale given with a leading dim of M copies, y [M, ...]
+    copies: int | None = None  # M: shift and scale with a leading dim of M copies (read as [M * K, H] tables or
+    # [M * B, T, H] rows), y [M, ...]
 
     @property
     def y_shape(self) -> torch.Size:
@@ -176,8 +184,11 @@ class ModulationArgs:
 
     @property
     def num_table_rows(self) -> int:
-        """The rows every table has, where gathered (0 otherwise)."""
-        return min((t.shape[0] for t in self.tables), default=0) if self.gathered else 0
+        """``K``, the rows every table (each copy of ``shift`` and ``scale``) has, where gathered (0 otherwise)."""
+        if not self.gathered:
+            return 0
+        table = self.gate if self.gate is not None else self.scale
+        return table.shape[0] // (1 if table is self.gate else self.modulations)
 
     @property
     def tokens(self) -> int:
@@ -212,20 +223,23 @@ def check_args(*, x=None, residual=None, branch=None, gate=None, weight=None, sh
     plain_norm = has_norm and x is not None and not given
     if plain_norm and index is not None:
         raise ValueError("index must be None for a norm without modulation tables")
-    copies = modulation_copies(shift, scale, shape) if has_norm and index is None else None
+    copies = modulation_copies(shift, scale, 2 if index is not None else len(shape)) if has_norm else None
     if index is not None:
         check_tensor("index", index, INDEX_DTYPES)
         if index.shape != shape[:-1]:
             raise ValueError(f"index must have the shape of the activations without the last dim "
                              f"{tuple(shape[:-1])}, got {tuple(index.shape)}")
-        tables = {k: check_table(k, v, hidden) for k, v in given.items()}
+        tables = {k: check_table(k, v, hidden, copies if k != "gate" else None) for k, v in given.items()}
+        counts = {k: v.shape[-2] for k, v in given.items()}
+        if any(n != next(iter(counts.values())) for n in counts.values()):  # SymInts: no set
+            raise ValueError("the tables must have the same rows K, got " + ", ".join(
+                f"{k} {n}" for k, n in counts.items()))
     else:
         tables = {k: check_rows(k, v, shape, copies if k != "gate" else None) for k, v in given.items()}
     if shift is not None and scale is not None:
         if tables["shift"].dtype != tables["scale"].dtype:
             raise TypeError(f"shift and scale must share a dtype, got {shift.dtype} and {scale.dtype}")
-        if index is not None and shift.shape[0] != scale.shape[0]:
-            raise ValueError(f"shift and scale must have the same rows K, got {shift.shape[0]} and {scale.shape[0]}")
+
     if weight is not None:
         check_tensor("weight", weight, ACTIVATION_DTYPES)
         if weight.shape != (hidden,):

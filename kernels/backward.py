@@ -77,17 +77,17 @@ class SavedSite:
         """The site with rows given as rows that broadcast to the activations of ``shape`` restated as tables
         ``[K, H]`` (``K`` rows: the given rows' count) gathered by an index, one table row per activation row;
         the index is nondecreasing (``ordered_index``) where the rows vary only along a run of leading dims
-        (per sample, per token, one for all). The tables must broadcast alike, without copies
-        (``rows_without_fused_backward`` says where not); their gradients come back ``[K, H]``: viewed as the rows'
-        shape they are theirs."""
+        (per sample, per token, one for all). The tables must broadcast alike (``rows_without_fused_backward`` says
+        where not); ``shift`` and ``scale`` with a leading dim of ``M`` copies become ``[M, K, H]`` tables. Their
+        gradients come back ``[K, H]`` (``[M, K, H]``): viewed as the rows' shape they are theirs."""
         tables = self.tables()
-        first = next(iter(tables.values()))
-        rows, lead = row_dims(first, len(shape)), tuple(shape[:-1])
+        rank, first = len(shape), next(iter(tables.values()))
+        rows, lead = row_dims(one_copy(first, rank), rank), tuple(shape[:-1])
         keys = math.prod(rows)
         index_dtype = torch.int32 if keys <= torch.iinfo(torch.int32).max else torch.int64
         index = torch.arange(keys, dtype=index_dtype, device=first.device).view(rows).expand(lead)
         ordered = any(rows == (*lead[:j], *(1,) * (len(lead) - j)) for j in range(len(lead) + 1))
-        flat = {name: t.reshape(keys, shape[-1]) for name, t in tables.items()}
+        flat = {name: t.reshape(*t.shape[:1] * (t.dim() > rank), keys, shape[-1]) for name, t in tables.items()}
         return dataclasses.replace(self, **flat, index=index, ordered_index=ordered)
 
     def forward_args(self, du: Tensor | None) -> ModulationArgs:
@@ -110,13 +110,15 @@ def row_dims(rows: Tensor, rank: int) -> tuple[int, ...]:
     return (1,) * (rank - rows.dim()) + tuple(rows.shape[:-1])
 
 
+def one_copy(rows: Tensor, rank: int) -> Tensor:
+    """Modulation rows for activations of ``rank`` dims without their leading dim of copies, where they have one."""
+    return rows[0] if rows.dim() > rank else rows
+
+
 def rows_without_fused_backward(tables: dict[str, Tensor | None], rank: int) -> str | None:
-    """What of given modulation rows the fused backward does not take, or None: rows with copies (a norm modulated
-    more than once), or rows that broadcast differently (``SavedSite.gathered`` takes one index for all)."""
-    copies = [t.shape[0] for t in tables.values() if t is not None and t.dim() > rank]
-    if copies:
-        return f"a norm modulated {copies[0]} times (rows with a leading dim of copies)"
-    shapes = {name: row_dims(t, rank) for name, t in tables.items() if t is not None}
+    """What of given modulation rows the fused backward does not take, or None: rows that broadcast differently
+    (``SavedSite.gathered`` takes one index for all; a leading dim of copies aside)."""
+    shapes = {name: row_dims(one_copy(t, rank), rank) for name, t in tables.items() if t is not None}
     if len(set(shapes.values())) > 1:
         return "modulation rows of different shapes (" + ", ".join(
             f"{name} {list(dims)}" for name, dims in shapes.items()) + ")"
@@ -124,17 +126,19 @@ def rows_without_fused_backward(tables: dict[str, Tensor | None], rank: int) -> 
 
 
 def rows_of(t: Tensor | None, a: ModulationArgs, name: str) -> Tensor | None:
-    """``t`` (one of the site's activations or their gradients) as ``[R, H]`` rows in the activation dtype."""
+    """``t`` (one of the site's activations or their gradients; ``dy`` has ``y``'s shape, of ``M`` modulations
+    where the site has copies) as ``[R, H]`` (``[M * R, H]``) rows in the activation dtype."""
     if t is None:
         return None
-    if t.shape != a.out_shape:
-        raise ValueError(f"{name} must have the shape of the activations {tuple(a.out_shape)}, got {tuple(t.shape)}")
+    shape, of = (a.y_shape, "y") if name == "dy" else (a.out_shape, "the activations")
+    if t.shape != shape:
+        raise ValueError(f"{name} must have the shape of {of} {tuple(shape)}, got {tuple(t.shape)}")
     return as_rows(name, t.to(a.dtype), a.hidden)
 
 
-def _outputs(a: ModulationArgs, grads: dict) -> tuple[Tensor, ...]:
+def _outputs(saved: SavedSite, a: ModulationArgs, grads: dict) -> tuple[Tensor, ...]:
     """The ops' six outputs: each gradient in its input's shape, an empty tensor where none was asked for."""
-    shapes = dict(lead=a.out_shape, branch=a.out_shape)
+    shapes = dict(lead=a.out_shape, branch=a.out_shape) | {name: t.shape for name, t in saved.tables().items()}
     return tuple(grads[name].view(shapes.get(name, grads[name].shape)) if name in grads
                  else a.index.new_empty(0, dtype=a.dtype) for name in GRADIENTS)
 
@@ -152,7 +156,7 @@ def reference_modulation_backward(
     a = saved.forward_args(du)
     check_index_on_host(a.index, a.num_table_rows)
     grads = reference_backward(a, rows_of(u, a, "u"), rows_of(dy, a, "dy"), rows_of(du, a, "du"), Needs(*needs))
-    return _outputs(a, grads)
+    return _outputs(saved, a, grads)
 
 
 @reference_modulation_backward.register_fake
@@ -186,7 +190,7 @@ def _backward_body(
     with launch_context(a.device, (*saved.values(), dy, du, needs)) as wrap:
         grads = launch_backward(a, rows_of(u, a, "u"), rows_of(dy, a, "dy"), rows_of(du, a, "du"), Needs(*needs),
                                 wrap, ordered_index=ordered_index)
-    return _outputs(a, grads)
+    return _outputs(saved, a, grads)
 
 
 modulation_backward = PublicOp("modulation_backward", _backward_body)

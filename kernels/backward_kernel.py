@@ -8,6 +8,8 @@ Per row ``t`` (``i = index[t]``, fp32 unless said, ``R`` = round to the activati
             (LAYER_NORM: m = sum(u) / H, r = rsqrt(sum((u-m)^2) / H + eps), xhat = (u - m) * r)
     p     = 1 + scale[i]                              (R if ROUND_AFFINE: the forward's p)
     dn    = dy * p                                    (R if ROUND_NORM)
+            (COPIES > 1, M modulations of the one norm: dn = sum over copies j of dy_j * p_j, each term and each
+            partial sum R if ROUND_NORM, as eager's autograd adds the gradients of a tensor used M times)
     dxhat = dn * w                                    (R if ROUND_NORM_BEFORE_WEIGHT; dn without a weight)
     du_n  = r * (dxhat - xhat * sum(dxhat * xhat) / H)   (R if ROUND_INPUT_GRADIENT)
             (LAYER_NORM: r * (dxhat - sum(dxhat) / H - xhat * sum(dxhat * xhat) / H))
@@ -15,7 +17,8 @@ Per row ``t`` (``i = index[t]``, fp32 unless said, ``R`` = round to the activati
     dx = du_t (site A) or dresidual = du_t (sites B, C);  dbranch = R(du_t * gate[i])    -> stored
 
 and the sums over rows, in fp32: ``dshift[i] += dy``, ``dscale[i] += dy * n`` (``n`` the forward's normalized
-row), ``dgate[i] += du_t * branch``, ``dw += dn * xhat`` (``* R(xhat)`` where ``ROUND_NORM_BEFORE_WEIGHT``);
+row; with copies, each copy's into its own table: copy ``j``'s ``dy`` rows ``j * R`` on, its table rows ``j * K`` on),
+``dgate[i] += du_t * branch``, ``dw += dn * xhat`` (``* R(xhat)`` where ``ROUND_NORM_BEFORE_WEIGHT``);
 Kahan-compensated where the gradient is fp32 (``COMPENSATE_TABLES``, ``COMPENSATE_W``), whose one rounding would
 not hide an fp32 sum's own error. ``contract.Rounding`` states the same contract; the ``NEED_*`` flags leave out
 what autograd does not ask for.
@@ -103,15 +106,19 @@ def _add_product_at(acc, c: tl.constexpr, a, b, COMPENSATED: tl.constexpr):
 
 
 @triton.jit
-def _flush(acc, part_ptr, slot, write, lanes, CHUNK: tl.constexpr, HIDDEN: tl.constexpr, COMPENSATED: tl.constexpr):
-    """Store the row accumulator ``acc`` to slot ``slot`` of a partial buffer where ``write`` (``COMPENSATED``: each
-    chunk's sum less its compensation)."""
+def _flush(acc, part_ptr, slot, write, lanes, copy_stride, CHUNK: tl.constexpr, HIDDEN: tl.constexpr,
+           COMPENSATED: tl.constexpr, COPIES: tl.constexpr = 1):
+    """Store the row accumulator ``acc`` (``COPIES`` rows, one after the other) to slot ``slot`` of a partial buffer
+    (copy ``j``'s ``j * copy_stride`` elements on) where ``write`` (``COMPENSATED``: each chunk's sum less its
+    compensation)."""
     written = _everywhere(write, lanes)
-    CHUNKS: tl.constexpr = len(acc) // 2 if COMPENSATED else len(acc)
-    for c in tl.static_range(CHUNKS):
-        cols = c * CHUNK + lanes
-        total = acc[c] - acc[CHUNKS + c] if COMPENSATED else acc[c]
-        tl.store(part_ptr + slot * HIDDEN + cols, total, mask=(cols < HIDDEN) & written)
+    SUMS: tl.constexpr = len(acc) // 2 if COMPENSATED else len(acc)
+    CHUNKS: tl.constexpr = SUMS // COPIES
+    for j in tl.static_range(COPIES):
+        for c in tl.static_range(CHUNKS):
+            cols = c * CHUNK + lanes
+            total = acc[j * CHUNKS + c] - acc[SUMS + j * CHUNKS + c] if COMPENSATED else acc[j * CHUNKS + c]
+            tl.store(part_ptr + j * copy_stride + slot * HIDDEN + cols, total, mask=(cols < HIDDEN) & written)
 
 
 @triton.jit
@@ -129,14 +136,29 @@ def _one_plus(scale, act: tl.constexpr, ROUND_AFFINE: tl.constexpr, INTERPRETED:
 
 
 @triton.jit
+def _norm_output_gradient(dy, scale, act: tl.constexpr, ROUND_NORM: tl.constexpr, ROUND_AFFINE: tl.constexpr,
+                          INTERPRETED: tl.constexpr):
+    """``dn`` of one chunk, ``dy`` and ``scale`` the copies' chunks (tuples): ``dy_0 * p_0``, plus each further copy's
+    ``dy_j * p_j`` (``R`` each term and each sum where ``ROUND_NORM``; else one FMA each)."""
+    dn = widened(dy[0]) * _one_plus(scale[0], act, ROUND_AFFINE, INTERPRETED)
+    if ROUND_NORM:
+        dn = rounded(dn, act, INTERPRETED)
+    for j in tl.static_range(1, len(dy)):
+        p = _one_plus(scale[j], act, ROUND_AFFINE, INTERPRETED)
+        if ROUND_NORM:
+            dn = rounded(dn + rounded(widened(dy[j]) * p, act, INTERPRETED), act, INTERPRETED)
+        else:
+            dn = tl.fma(widened(dy[j]), p, dn)
+    return dn
+
+
+@triton.jit
 def _normed_input_gradient(dy, scale, w, act: tl.constexpr, HAS_WEIGHT: tl.constexpr, ROUND_NORM: tl.constexpr,
                            ROUND_NORM_BEFORE_WEIGHT: tl.constexpr, ROUND_AFFINE: tl.constexpr,
                            INTERPRETED: tl.constexpr):
-    """``(dn, dxhat)`` of one chunk: the gradients reaching the norm's output and its normalized row."""
-    p = _one_plus(scale, act, ROUND_AFFINE, INTERPRETED)
-    dn = widened(dy) * p
-    if ROUND_NORM:
-        dn = rounded(dn, act, INTERPRETED)
+    """``(dn, dxhat)`` of one chunk: the gradients reaching the norm's output and its normalized row (``dy``,
+    ``scale``: the copies' chunks)."""
+    dn = _norm_output_gradient(dy, scale, act, ROUND_NORM, ROUND_AFFINE, INTERPRETED)
     dxhat = dn
     if HAS_WEIGHT:
         dxhat = dn * widened(w)
@@ -148,18 +170,18 @@ def _normed_input_gradient(dy, scale, w, act: tl.constexpr, HAS_WEIGHT: tl.const
 @triton.jit
 def _dxhat_plus(dy, scale, w, addend, act: tl.constexpr, HAS_WEIGHT: tl.constexpr, ROUND_NORM: tl.constexpr,
                 ROUND_AFFINE: tl.constexpr, INTERPRETED: tl.constexpr):
-    """``dxhat + addend`` (a LayerNorm's ``dxhat``: never rounded before its weight), the product that makes
-    ``dxhat`` written out as one FMA with the add, so that no compiler contracts it otherwise."""
-    p = _one_plus(scale, act, ROUND_AFFINE, INTERPRETED)
+    """``dxhat + addend`` (a LayerNorm's ``dxhat``: never rounded before its weight; ``dy``, ``scale``: the copies'
+    chunks), the product that makes ``dxhat`` written out as one FMA with the add, so that no compiler contracts it
+    otherwise (unrounded and without a weight, each copy's product is an FMA into the sum)."""
     if HAS_WEIGHT:
-        dn = widened(dy) * p
-        if ROUND_NORM:
-            dn = rounded(dn, act, INTERPRETED)
-        total = tl.fma(dn, widened(w), addend)
+        total = tl.fma(_norm_output_gradient(dy, scale, act, ROUND_NORM, ROUND_AFFINE, INTERPRETED), widened(w),
+                       addend)
     elif ROUND_NORM:
-        total = rounded(widened(dy) * p, act, INTERPRETED) + addend
+        total = _norm_output_gradient(dy, scale, act, ROUND_NORM, ROUND_AFFINE, INTERPRETED) + addend
     else:
-        total = tl.fma(widened(dy), p, addend)
+        total = addend
+        for j in tl.static_range(len(dy)):
+            total = tl.fma(widened(dy[j]), _one_plus(scale[j], act, ROUND_AFFINE, INTERPRETED), total)
     return total
 
 
@@ -168,7 +190,8 @@ def _input_gradients(dy, u32, r, minus_mean_product, minus_mean_dxhat, du, scale
                      HAS_GATE: tl.constexpr, HAS_NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr,
                      LAYER_NORM: tl.constexpr, ROUND_NORM: tl.constexpr, ROUND_NORM_BEFORE_WEIGHT: tl.constexpr,
                      ROUND_AFFINE: tl.constexpr, ROUND_INPUT_GRADIENT: tl.constexpr, INTERPRETED: tl.constexpr):
-    """``(du_t, dn, normed, n)`` of a block of a row's columns (or of several rows', ``r``,
+    """``(du_t, dn, normed, n)`` of a block of a row's columns (``dy``, ``scale``: the copies' chunks; or of several
+    rows', ``r``,
     ``minus_mean_product = -mean(dxhat * xhat)`` and a LayerNorm's ``minus_mean_dxhat = -mean(dxhat)`` broadcast
     to it; ``u32`` the row less its mean for a LayerNorm): the gradient reaching the site's residual, the gradient
     reaching the norm's output, the normalized row (``R(xhat)`` where the norm rounds before the weight) and the
@@ -252,6 +275,27 @@ def _chunk_of(held, c: tl.constexpr, ptr, t, stride, cols, ok, HELD: tl.constexp
     return chunk
 
 
+@triton.jit
+def _copies_chunks(ptr, t, copy_rows, stride, valid, lanes, WANTED: tl.constexpr, COPIES: tl.constexpr,
+                   CHUNK: tl.constexpr, HIDDEN: tl.constexpr, STREAMED: tl.constexpr = True):
+    """``_chunks`` of row ``t`` of each of ``COPIES`` copies (copy ``j``'s row: ``t + j * copy_rows``), one tuple, copy
+    ``j``'s chunks from ``j * CHUNKS`` on."""
+    out = ()
+    for j in tl.static_range(COPIES):
+        out = out + _chunks(ptr, t + j * copy_rows, stride, valid, lanes, WANTED, CHUNK, HIDDEN, STREAMED)
+    return out
+
+
+@triton.jit
+def _copies_chunk_of(held, c: tl.constexpr, ptr, t, copy_rows, stride, cols, ok, HELD: tl.constexpr,
+                     COPIES: tl.constexpr, CHUNKS: tl.constexpr):
+    """Chunk ``c`` of row ``t`` of each of ``COPIES`` copies (``_copies_chunks``' layout where ``HELD``), a tuple."""
+    out = ()
+    for j in tl.static_range(COPIES):
+        out = out + (_chunk_of(held, j * CHUNKS + c, ptr, t + j * copy_rows, stride, cols, ok, HELD),)
+    return out
+
+
 @triton.jit(debug=True)
 def modulation_backward_kernel(
     u_ptr, branch_ptr, gate_ptr, w_ptr, scale_ptr, idx_ptr, order_ptr, seg_ptr, dy_ptr, du_ptr, dx_ptr, dbranch_ptr,
@@ -259,7 +303,7 @@ def modulation_backward_kernel(
     n_rows, num_table_rows, rows_per_program, eps,
     stride_u, stride_branch, stride_gate, stride_scale, stride_dy, stride_du,
     HIDDEN: tl.constexpr, HAS_GATE: tl.constexpr, HAS_NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-    LAYER_NORM: tl.constexpr, ROUND_NORM: tl.constexpr, ROUND_NORM_BEFORE_WEIGHT: tl.constexpr,
+    LAYER_NORM: tl.constexpr, COPIES: tl.constexpr, ROUND_NORM: tl.constexpr, ROUND_NORM_BEFORE_WEIGHT: tl.constexpr,
     ROUND_AFFINE: tl.constexpr, ROUND_INPUT_GRADIENT: tl.constexpr,
     NEED_X: tl.constexpr, NEED_BRANCH: tl.constexpr, NEED_SHIFT: tl.constexpr, NEED_SCALE: tl.constexpr,
     NEED_GATE: tl.constexpr, NEED_W: tl.constexpr, SORTED: tl.constexpr, ORDERED_INDEX: tl.constexpr,
@@ -276,12 +320,15 @@ def modulation_backward_kernel(
     end = tl.minimum(begin + rows_per_program, n_rows)
     lanes = tl.arange(0, CHUNK)
     TABLE_SUMS: tl.constexpr = CHUNKS * (2 if COMPENSATE_TABLES else 1)  # an accumulator's chunks
-    acc_shift, acc_scale = _zeros(TABLE_SUMS, CHUNK), _zeros(TABLE_SUMS, CHUNK)
+    COPY_SUMS: tl.constexpr = TABLE_SUMS * COPIES  # shift's and scale's: a row of sums for each copy
+    # a partial buffer's slots of one copy of shift and scale; table rows of one copy
+    copy_stride = (tl.num_programs(0).to(tl.int64) + num_table_rows) * HIDDEN
+    acc_shift, acc_scale = _zeros(COPY_SUMS, CHUNK), _zeros(COPY_SUMS, CHUNK)
     acc_gate, acc_w = _zeros(TABLE_SUMS, CHUNK), _zeros(CHUNKS * (2 if COMPENSATE_W else 1), CHUNK)
     t_next, k_next = _row(begin, begin < end, order_ptr, idx_ptr, num_table_rows, SORTED, ORDERED_INDEX)
     ws = _chunks(w_ptr, 0, 0, begin < end, lanes, HAS_WEIGHT and HOIST_TABLES, CHUNK, HIDDEN, False)
     if PREFETCH:  # the row's streamed inputs arrive during the previous row's work
-        dy_next = _chunks(dy_ptr, t_next, stride_dy, begin < end, lanes, HAS_NORM, CHUNK, HIDDEN)
+        dy_next = _copies_chunks(dy_ptr, t_next, n_rows, stride_dy, begin < end, lanes, HAS_NORM, COPIES, CHUNK, HIDDEN)
         u_next = _chunks(u_ptr, t_next, stride_u, begin < end, lanes, HAS_NORM, CHUNK, HIDDEN)
     if GROUPED:  # the table rows of the program's first and last rows, in sorted order
         first_k = k_next
@@ -296,8 +343,8 @@ def modulation_backward_kernel(
             lo = tl.maximum(begin, tl.load(seg_ptr + table_row))
             hi = tl.minimum(end, tl.load(seg_ptr + table_row + 1))
         # sorted, every row of the segment reads table row ``table_row``: its chunks once for them all
-        segment_scales = _chunks(scale_ptr, table_row, stride_scale, hi > lo, lanes, HAS_NORM and held, CHUNK,
-                                 HIDDEN, False)
+        segment_scales = _copies_chunks(scale_ptr, table_row, num_table_rows, stride_scale, hi > lo, lanes,
+                                        HAS_NORM and held, COPIES, CHUNK, HIDDEN, False)
         segment_gates = _chunks(gate_ptr, table_row, stride_gate, hi > lo, lanes, NEED_BRANCH and held, CHUNK,
                                 HIDDEN, False)
         for s in range(lo, hi):
@@ -305,22 +352,26 @@ def modulation_backward_kernel(
             if PREFETCH:
                 dys, us = dy_next, u_next
                 t_next, k_next = _row(s + 1, s + 1 < end, order_ptr, idx_ptr, num_table_rows, SORTED, ORDERED_INDEX)
-                dy_next = _chunks(dy_ptr, t_next, stride_dy, s + 1 < end, lanes, HAS_NORM, CHUNK, HIDDEN)
+                dy_next = _copies_chunks(dy_ptr, t_next, n_rows, stride_dy, s + 1 < end, lanes, HAS_NORM, COPIES,
+                                         CHUNK, HIDDEN)
                 u_next = _chunks(u_ptr, t_next, stride_u, s + 1 < end, lanes, HAS_NORM, CHUNK, HIDDEN)
             else:
-                dys = _chunks(dy_ptr, t, stride_dy, s < end, lanes, HAS_NORM and HOLD_ROWS, CHUNK, HIDDEN)
+                dys = _copies_chunks(dy_ptr, t, n_rows, stride_dy, s < end, lanes, HAS_NORM and HOLD_ROWS, COPIES,
+                                     CHUNK, HIDDEN)
                 us = _chunks(u_ptr, t, stride_u, s < end, lanes, HAS_NORM and HOLD_ROWS, CHUNK, HIDDEN)
                 t_next, k_next = _row(s + 1, s + 1 < end, order_ptr, idx_ptr, num_table_rows, SORTED, ORDERED_INDEX)
             if HOIST_TABLES and not SORTED:  # rows in index order: each row's own table row, at its start
-                scales = _chunks(scale_ptr, k, stride_scale, s < end, lanes, HAS_NORM, CHUNK, HIDDEN, False)
+                scales = _copies_chunks(scale_ptr, k, num_table_rows, stride_scale, s < end, lanes, HAS_NORM, COPIES,
+                                        CHUNK, HIDDEN, False)
                 gates = _chunks(gate_ptr, k, stride_gate, s < end, lanes, NEED_BRANCH, CHUNK, HIDDEN, False)
             else:
                 scales, gates = segment_scales, segment_gates
             # the next row's streams brought into L2 during this row's work (those not prefetched into registers)
             _warm_row(u_ptr, t_next, stride_u, s + 1 < end, lanes, WARM_NEXT_ROW and HAS_NORM and not PREFETCH,
                       CHUNK, HIDDEN)
-            _warm_row(dy_ptr, t_next, stride_dy, s + 1 < end, lanes, WARM_NEXT_ROW and HAS_NORM and not PREFETCH,
-                      CHUNK, HIDDEN)
+            for j in tl.static_range(COPIES):
+                _warm_row(dy_ptr, t_next + j * n_rows, stride_dy, s + 1 < end, lanes,
+                          WARM_NEXT_ROW and HAS_NORM and not PREFETCH, CHUNK, HIDDEN)
             _warm_row(du_ptr, t_next, stride_du, s + 1 < end, lanes, WARM_NEXT_ROW and HAS_GATE, CHUNK, HIDDEN)
             _warm_row(branch_ptr, t_next, stride_branch, s + 1 < end, lanes, WARM_NEXT_ROW and NEED_GATE, CHUNK,
                       HIDDEN)
@@ -344,10 +395,11 @@ def modulation_backward_kernel(
                 for c in tl.static_range(CHUNKS):
                     cols = c * CHUNK + lanes
                     ok = cols < HIDDEN
-                    scale = _chunk_of(scales, c, scale_ptr, k, stride_scale, cols, ok, HOIST_TABLES)
+                    scale = _copies_chunk_of(scales, c, scale_ptr, k, num_table_rows, stride_scale, cols, ok,
+                                             HOIST_TABLES, COPIES, CHUNKS)
                     w = _chunk_of(ws, c, w_ptr, 0, 0, cols, ok, HOIST_TABLES) if HAS_WEIGHT else 0.0
                     u32 = widened(_chunk_of(us, c, u_ptr, t, stride_u, cols, ok, HOLD_ROWS))
-                    dy = _chunk_of(dys, c, dy_ptr, t, stride_dy, cols, ok, HOLD_ROWS)
+                    dy = _copies_chunk_of(dys, c, dy_ptr, t, n_rows, stride_dy, cols, ok, HOLD_ROWS, COPIES, CHUNKS)
                     if LAYER_NORM:
                         u32 = tl.where(ok, u32 - mean, 0.0)
                     squares = tl.fma(u32, u32, squares)
@@ -368,13 +420,14 @@ def modulation_backward_kernel(
                 ok = cols < HIDDEN
                 du = _chunk_of(dus, c, du_ptr, t, stride_du, cols, ok, EARLY_STREAMS, True).to(tl.float32) \
                     if HAS_GATE else 0.0
-                dy, u32, scale, w = 0.0, 0.0, 0.0, 0.0
+                dy, u32, scale, w = (0.0,), 0.0, (0.0,), 0.0
                 if HAS_NORM:
-                    dy = _chunk_of(dys, c, dy_ptr, t, stride_dy, cols, ok, HOLD_ROWS)
+                    dy = _copies_chunk_of(dys, c, dy_ptr, t, n_rows, stride_dy, cols, ok, HOLD_ROWS, COPIES, CHUNKS)
                     u32 = widened(_chunk_of(us, c, u_ptr, t, stride_u, cols, ok, HOLD_ROWS))
                     if LAYER_NORM:
                         u32 = u32 - mean
-                    scale = _chunk_of(scales, c, scale_ptr, k, stride_scale, cols, ok, HOIST_TABLES)
+                    scale = _copies_chunk_of(scales, c, scale_ptr, k, num_table_rows, stride_scale, cols, ok,
+                                             HOIST_TABLES, COPIES, CHUNKS)
                     w = _chunk_of(ws, c, w_ptr, 0, 0, cols, ok, HOIST_TABLES) if HAS_WEIGHT else 0.0
                 du_t, dn, normed, n = _input_gradients(dy, u32, r, minus_mean_product, minus_mean_dxhat, du, scale, w,
                                                        act, HAS_GATE, HAS_NORM, HAS_WEIGHT, LAYER_NORM, ROUND_NORM,
@@ -382,14 +435,17 @@ def modulation_backward_kernel(
                                                        INTERPRETED)
                 if NEED_W:
                     acc_w = _add_product_at(acc_w, c, dn, normed, COMPENSATE_W)
-                if NEED_SHIFT and ROW_PER_KEY:
-                    _store_row(part_shift_ptr, k, cols, ok, widened(dy), HIDDEN, INTERPRETED)
-                elif NEED_SHIFT:
-                    acc_shift = _add_at(acc_shift, c, widened(dy), COMPENSATE_TABLES)
-                if NEED_SCALE and ROW_PER_KEY:
-                    _store_row(part_scale_ptr, k, cols, ok, widened(dy) * n, HIDDEN, INTERPRETED)
-                elif NEED_SCALE:
-                    acc_scale = _add_product_at(acc_scale, c, widened(dy), n, COMPENSATE_TABLES)
+                for j in tl.static_range(COPIES):  # each copy's table gradients: its rows of sums, or its table rows
+                    if NEED_SHIFT and ROW_PER_KEY:
+                        _store_row(part_shift_ptr, k + j * num_table_rows, cols, ok, widened(dy[j]), HIDDEN,
+                                   INTERPRETED)
+                    elif NEED_SHIFT:
+                        acc_shift = _add_at(acc_shift, j * CHUNKS + c, widened(dy[j]), COMPENSATE_TABLES)
+                    if NEED_SCALE and ROW_PER_KEY:
+                        _store_row(part_scale_ptr, k + j * num_table_rows, cols, ok, widened(dy[j]) * n, HIDDEN,
+                                   INTERPRETED)
+                    elif NEED_SCALE:
+                        acc_scale = _add_product_at(acc_scale, j * CHUNKS + c, widened(dy[j]), n, COMPENSATE_TABLES)
                 if NEED_X:
                     tl.store(dx_ptr + t * HIDDEN + cols, rounded(du_t, act, INTERPRETED).to(act), mask=ok)
                 if NEED_BRANCH:
@@ -405,15 +461,17 @@ def modulation_backward_kernel(
         if GROUPED:
             slot = program + table_row
             if NEED_SHIFT:
-                _flush(acc_shift, part_shift_ptr, slot, hi > lo, lanes, CHUNK, HIDDEN, COMPENSATE_TABLES)
+                _flush(acc_shift, part_shift_ptr, slot, hi > lo, lanes, copy_stride, CHUNK, HIDDEN, COMPENSATE_TABLES,
+                       COPIES)
             if NEED_SCALE:
-                _flush(acc_scale, part_scale_ptr, slot, hi > lo, lanes, CHUNK, HIDDEN, COMPENSATE_TABLES)
+                _flush(acc_scale, part_scale_ptr, slot, hi > lo, lanes, copy_stride, CHUNK, HIDDEN, COMPENSATE_TABLES,
+                       COPIES)
             if NEED_GATE:
-                _flush(acc_gate, part_gate_ptr, slot, hi > lo, lanes, CHUNK, HIDDEN, COMPENSATE_TABLES)
-            acc_shift, acc_scale = _zeros(TABLE_SUMS, CHUNK), _zeros(TABLE_SUMS, CHUNK)
+                _flush(acc_gate, part_gate_ptr, slot, hi > lo, lanes, 0, CHUNK, HIDDEN, COMPENSATE_TABLES)
+            acc_shift, acc_scale = _zeros(COPY_SUMS, CHUNK), _zeros(COPY_SUMS, CHUNK)
             acc_gate = _zeros(TABLE_SUMS, CHUNK)
     if NEED_W:
-        _flush(acc_w, part_w_ptr, program, end > begin, lanes, CHUNK, HIDDEN, COMPENSATE_W)
+        _flush(acc_w, part_w_ptr, program, end > begin, lanes, 0, CHUNK, HIDDEN, COMPENSATE_W)
 
 
 @triton.jit
@@ -423,8 +481,12 @@ def reduce_partials_kernel(part_ptr, out_ptr, seg_ptr, rows_per_program, n_progr
     """Row ``k`` (``program_id(1)``) of a gradient: the sum of its partial slots, in program order (``COMPENSATED``:
     Kahan's sum), rounded once to ``out_ptr``'s dtype. ``GROUPED`` (table gradients): the slots ``p + k`` of the
     programs ``p`` whose rows include sorted positions ``seg[k]`` to ``seg[k + 1] - 1``, the rows of table row
-    ``k``; else (the weight) slots ``0 .. n_programs - 1``."""
+    ``k``; else (the weight) slots ``0 .. n_programs - 1``. Copy ``j`` (``program_id(2)``) of ``shift`` and
+    ``scale``: its slots ``j * (n_programs + K)`` on, its row ``j * K + k`` (``K`` table rows)."""
     k = tl.program_id(1).to(tl.int64)
+    copy = tl.program_id(2).to(tl.int64)
+    table_rows = tl.num_programs(1).to(tl.int64)
+    part_ptr += copy * (n_programs + table_rows) * HIDDEN
     cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < HIDDEN
     if GROUPED:
@@ -451,4 +513,4 @@ def reduce_partials_kernel(part_ptr, out_ptr, seg_ptr, rows_per_program, n_progr
     if COMPENSATED:
         total = total - lost
     out: tl.constexpr = out_ptr.dtype.element_ty
-    tl.store(out_ptr + k * stride_out + cols, rounded(total, out, INTERPRETED).to(out), mask=ok)
+    tl.store(out_ptr + (copy * table_rows + k) * stride_out + cols, rounded(total, out, INTERPRETED).to(out), mask=ok)

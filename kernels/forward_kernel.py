@@ -17,8 +17,8 @@ Per row ``t`` (``i = index[t]``, arithmetic in fp32 unless said below, ``R`` = r
                p = 1 + scale[i]                (R if ROUND_AFFINE)
                q = n * p                       (R if ROUND_AFFINE; fused with the add if FUSE_MULTIPLY_ADD)
                y = R(q + shift[i])             -> stored (A, B)
-               (COPIES > 1: y for each copy j of the given rows, rows of samples j * B on, stored at rows
-               j * R on: M modulations of the one norm)
+               (COPIES > 1: y for each copy j of shift and scale, stored at rows j * R on: M modulations of
+               the one norm)
     plain RMSNorm (A without HAS_AFFINE: no tables, no index):
                y = R(n)                        -> stored
 
@@ -518,8 +518,10 @@ def modulation_kernel(
                 shifted = tl.fma(tl.sum(partial, axis=1), inverse_h, tl.cast(eps, tl.float32))
             r = rsqrt(shifted, INTERPRETED)
             chunks: tl.constexpr = triton.cdiv(HIDDEN, CHUNK)
-            # given rows with copies: copy ``j``'s rows are samples ``j * B`` on
-            samples = (n_rows + 0 * program) // tokens if COPIES > 1 else 0
+            # with copies, copy ``j``'s rows are table rows ``j * K`` on, or given rows' samples ``j * B`` on
+            samples = 0
+            if COPIES > 1:
+                samples = num_table_rows + 0 * program if GATHERED else (n_rows + 0 * program) // tokens
             for c in tl.static_range(chunks):
                 lanes, mask = _chunk(c, row_ok, CHUNK, HIDDEN)
                 current = tables

@@ -93,7 +93,7 @@ def backward_config(hidden: int, rows, device: torch.device, has_norm: bool = Tr
 @specialisation(modulation_backward_kernel)
 class BackwardSpecialisation:
     """The backward kernel's constexprs (``backward_kernel``'s module docstring gives their meaning), in its order:
-    the site, the rounding contract's ``ROUND_*`` (``contract.Rounding``), the gradients computed (``NEED_*``),
+    the site (with how many modulations of its norm), the rounding contract's ``ROUND_*`` (``contract.Rounding``), the gradients computed (``NEED_*``),
     whether the rows are visited sorted by table row and whether their own order is sorted, the
     ``BackwardConfig``, ``INTERPRETED``."""
 
@@ -102,6 +102,7 @@ class BackwardSpecialisation:
     HAS_NORM: bool
     HAS_WEIGHT: bool
     LAYER_NORM: bool
+    COPIES: int
     ROUND_NORM: bool
     ROUND_NORM_BEFORE_WEIGHT: bool
     ROUND_AFFINE: bool
@@ -150,7 +151,7 @@ def backward_specialisation(a: ModulationArgs, needs: Needs, config: BackwardCon
     row_per_key = ordered_index and a.num_table_rows == a.rows
     return BackwardSpecialisation(
         HIDDEN=a.hidden, HAS_GATE=has_gate, HAS_NORM=has_norm, HAS_WEIGHT=a.weight is not None,
-        LAYER_NORM=has_norm and a.norm == "layer", ROUND_NORM=rounding.norm_output,
+        LAYER_NORM=has_norm and a.norm == "layer", COPIES=a.modulations, ROUND_NORM=rounding.norm_output,
         ROUND_NORM_BEFORE_WEIGHT=rounding.norm_before_weight, ROUND_AFFINE=rounding.affine,
         ROUND_INPUT_GRADIENT=rounding.input_gradient, NEED_X=needs.lead, NEED_BRANCH=needs.branch and has_gate,
         NEED_SHIFT=need_shift, NEED_SCALE=need_scale, NEED_GATE=need_gate,
@@ -202,11 +203,13 @@ def launch_backward(a: ModulationArgs, u: torch.Tensor | None, dy: torch.Tensor 
     def partials(count, wanted, dtype=torch.float32):
         return torch.empty((count, a.hidden), dtype=dtype, device=a.device) if wanted else dy_or_du
 
+    copies = dict(gate=1, shift=a.modulations, scale=a.modulations)  # of each table: shift's and scale's one after
     if spec.ROW_PER_KEY:  # the table gradients themselves, written as the rows compute them
-        part = {name: partials(a.num_table_rows, wanted, getattr(a, name).dtype if wanted else None)
+        part = {name: partials(copies[name] * a.num_table_rows, wanted, getattr(a, name).dtype if wanted else None)
                 for name, wanted in want.items()}
     else:
-        part = {name: partials(config.programs + a.num_table_rows, wanted) for name, wanted in want.items()}
+        part = {name: partials(copies[name] * (config.programs + a.num_table_rows), wanted)
+                for name, wanted in want.items()}
     part["weight"] = partials(config.programs, need_w)
     # a tensor the site has not (or a gradient not asked for) is passed as an alias the kernel never reads
     rows_alias = u if u is not None else du
@@ -233,7 +236,9 @@ def launch_backward(a: ModulationArgs, u: torch.Tensor | None, dy: torch.Tensor 
         out = torch.empty((table.shape[0], a.hidden) if grouped_sum else (a.hidden,), dtype=table.dtype,
                           device=a.device)
         KernelLaunch(
-            reduce_partials_kernel, grid=(ceil_div(a.hidden, REDUCE_BLOCK), table.shape[0] if grouped_sum else 1),
+            reduce_partials_kernel,
+            grid=(ceil_div(a.hidden, REDUCE_BLOCK), table.shape[0] // copies[name] if grouped_sum else 1,
+                  copies.get(name, 1)),
             num_warps=4, scalars=(config.rows_per_program, config.programs, a.hidden if grouped_sum else 0),
             spec=ReduceSpecialisation(HIDDEN=a.hidden, BLOCK=REDUCE_BLOCK, GROUPED=grouped_sum,
                                       COMPENSATED=spec.COMPENSATE_W if name == "weight" else spec.COMPENSATE_TABLES,

@@ -48,9 +48,12 @@ def sum_rounded_once(residual: torch.Tensor, gate_rows: torch.Tensor, branch: to
     return torch.where(torch.isfinite(s), odd, s.float()).to(dtype).to(f32)
 
 
-def rows_of(table: torch.Tensor, a: ModulationArgs) -> torch.Tensor:
+def rows_of(table: torch.Tensor, a: ModulationArgs, copies: bool = False) -> torch.Tensor:
     """The ``[R, H]`` modulation rows of ``table`` for ``a``'s rows: gathered by the index, or the given rows
-    (``[B, T, H]``, broadcast) flattened."""
+    (``[B, T, H]``, broadcast) flattened; ``copies`` (``shift`` and ``scale`` of ``M`` copies): ``[M * R, H]``,
+    copy ``j``'s rows ``j * R`` on."""
+    if a.gathered and copies and a.copies is not None:
+        return table.unflatten(0, (a.copies, -1)).index_select(1, a.index.long()).flatten(0, 1)
     if a.gathered:
         return table.index_select(0, a.index.long())
     return table.reshape(-1, a.hidden)
@@ -106,7 +109,7 @@ def modulate(n: torch.Tensor, a: ModulationArgs) -> torch.Tensor:
     FMA; this reference rounds the product to fp32 first, so the two can differ by a last-bit flip of the
     output, each within the policy. With copies of the rows, ``[M, R, H]``: each copy's modulation of ``n``, one
     expression a copy (stacked), so that a compiler computes them in one pass over ``n`` as eager's graph is."""
-    scale, shift = (rows_of(t, a).to(n.dtype) for t in (a.scale, a.shift))
+    scale, shift = (rows_of(t, a, copies=True).to(n.dtype) for t in (a.scale, a.shift))
 
     def modulated(scale, shift):
         one_plus = _round(1.0 + scale, a.dtype, a.rounding.affine)
@@ -140,18 +143,24 @@ def reference_backward(a: ModulationArgs, u: torch.Tensor | None, dy: torch.Tens
     (the rows gathered by an index: ``backward.SavedSite.gathered`` restates given rows so):
     keys ``lead`` (``dx``, or ``dresidual``), ``branch``, ``gate``, ``weight``, ``shift``, ``scale``, each in its
     input's dtype and shape. ``u`` is what the forward normalized (``x``, or the stored residual; ``[R, H]``),
-    ``dy``/``du`` the incoming gradients of ``y`` and ``u`` (``[R, H]``). Arithmetic in fp32 (fp64 for fp64
-    activations); table and weight gradients are summed in that precision and rounded once."""
+    ``dy``/``du`` the incoming gradients of ``y`` and ``u`` (``[R, H]``; ``dy`` ``[M * R, H]`` with ``M`` copies of
+    ``shift`` and ``scale``). Arithmetic in fp32 (fp64 for fp64 activations); table and weight gradients are summed
+    in that precision and rounded once. With copies the norm's output gradient is the sum of the copies'
+    ``dn_j = R(dy_j * p_j)``, in copy order, each addition rounded where ``dn`` is (eager's autograd adds the
+    gradients a tensor receives in its dtype; two additions' order cannot change the sum)."""
     compute = a.compute_dtype
     rnd = a.rounding
     idx = a.index.long()
+    copies = a.modulations
+    keys = torch.arange(copies, device=idx.device)[:, None] * a.num_table_rows + idx  # copy j's rows: table j
 
     def R(v, rounds):
         return v.to(a.dtype).to(compute) if rounds else v
 
     def table_sum(name, rows):  # a compensated gradient: the fp64 sum rounded once, as the kernel's Kahan sum
         table = getattr(a, name)
-        return _index_sum(rows, idx, table.shape[0], exact=compensated(table))
+        index = idx if name == "gate" else keys.flatten()
+        return _index_sum(rows, index, table.shape[0], exact=compensated(table))
 
     sums = {}
     if a.scale is not None:
@@ -161,9 +170,11 @@ def reference_backward(a: ModulationArgs, u: torch.Tensor | None, dy: torch.Tens
             u_c = u_c - u_c.mean(-1, keepdim=True)
         r = torch.rsqrt(u_c.pow(2).mean(-1, keepdim=True) + a.eps)
         xhat = u_c * r
-        scale_rows = a.scale.index_select(0, idx)
-        p = R(1.0 + scale_rows.to(compute), rnd.affine)
-        dn = R(dy_c * p, rnd.norm_output)
+        p = R(1.0 + rows_of(a.scale, a, copies=True).to(compute), rnd.affine)
+        terms = R(dy_c * p, rnd.norm_output).chunk(copies)
+        dn = terms[0]
+        for term in terms[1:]:
+            dn = R(dn + term, rnd.norm_output)
         w = a.weight.to(compute) if a.weight is not None else None
         dxhat = R(dn * w, rnd.norm_before_weight) if w is not None else dn
         centred = dxhat - xhat * (dxhat * xhat).mean(-1, keepdim=True)
@@ -176,7 +187,7 @@ def reference_backward(a: ModulationArgs, u: torch.Tensor | None, dy: torch.Tens
         if needs.shift:
             sums["shift"] = table_sum("shift", dy_c)
         if needs.scale:
-            sums["scale"] = table_sum("scale", dy_c * n)
+            sums["scale"] = table_sum("scale", dy_c * n.repeat(copies, 1))
         if needs.weight and w is not None:
             sums["weight"] = (dn * normed).sum(0, dtype=torch.float64 if compensated(a.weight) else None)
     else:

@@ -20,6 +20,7 @@ norm and affine of the fp32 upcast) have their own: ``family_modulation``, ``fam
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -271,6 +272,15 @@ def family_modulations(form: FamilyForm, modulation: torch.Tensor, choice: torch
     return [(rows[0], rows[1]), (rows[3], rows[4])][:form.modulations]
 
 
+def family_op_rows(form: FamilyForm, modulation: torch.Tensor, choice: torch.Tensor | None = None) -> tuple:
+    """``(shift, scale)`` as the fused ops take them for ``form``: its one modulation's rows, or where modulated twice
+    the two modulations' rows as copies, stacked (``[2, B, 1, H]`` per sample)."""
+    pairs = family_modulations(form, modulation, choice)
+    if form.modulations == 1:
+        return pairs[0]
+    return tuple(torch.stack([r.view((1,) * (3 - r.dim()) + tuple(r.shape)) for r in copies]) for copies in zip(*pairs))
+
+
 def family_inputs(site: str, form: FamilyForm, batch: int, tokens: int, hidden: int, *, device="cuda",
                   seed: int = 0) -> dict:
     """The inputs of ``site`` in ``form``, keyed as ``family_eager_site`` and ``family_fused_site`` take them: bf16
@@ -333,13 +343,7 @@ def family_fused_site(site: str, form: FamilyForm, policy: str, eps: float = 1e-
     """A call of ``site``'s public op on ``family_inputs(site, form, ...)``, its outputs as ``family_eager_site``'s
     (modulated twice: the rows of the two modulations as copies, stacked, and ``y`` unbound)."""
     flags = dict(form.op_flags(), eps=eps, policy=policy)
-
-    def rows(modulation, choice):  # (shift, scale), each with a leading dim of copies where modulated twice
-        pairs = family_modulations(form, modulation, choice)
-        if form.modulations == 1:
-            return pairs[0]
-        return tuple(torch.stack([r.view((1,) * (3 - r.dim()) + tuple(r.shape)) for r in copies])
-                     for copies in zip(*pairs))
+    rows = functools.partial(family_op_rows, form)
 
     def outputs(y):
         return tuple(y.unbind(0)) if form.modulations > 1 else (y,)
@@ -365,12 +369,19 @@ def family_backward_inputs(site: str, form: FamilyForm, batch: int, tokens: int,
     site's ``SavedSite`` with its given rows restated as tables gathered by an index (``SavedSite.gathered``; its
     ``ordered_index`` is the launch's), the forward's checked arguments and the ``[R, H]`` rows. ``shared_rows``:
     one row per token shared by the samples (``[1, T, H]``: an index whose order is not the rows')."""
+    if shared_rows and form.modulations > 1:
+        raise ValueError("family_backward_inputs: shared_rows takes a form modulated once")
+
+    def lead_of(inputs):
+        return inputs.get("x", inputs.get("residual"))
+
     t = family_inputs(site, form, batch, tokens, hidden, device=device, seed=seed)
-    shift, scale, gate = family_rows(form, t["modulation"], t.get("choice"))
+    gate = family_rows(form, t["modulation"], t.get("choice"))[2]
+    shift, scale = family_op_rows(form, t["modulation"], t.get("choice"))
     if shared_rows:
         shift, scale, gate = (r[:1] for r in (shift, scale, gate))
-    lead = t.get("x", t.get("residual"))
     incoming = family_inputs(site, form, batch, tokens, hidden, device=device, seed=seed + 1)
+    lead = lead_of(t)
     normed, gated = site != "C", site != "A"
     flags = form.op_flags()
     saved = SavedSite(lead if normed else None, t["branch"] if gated else None, gate if gated else None, None,
@@ -378,7 +389,10 @@ def family_backward_inputs(site: str, form: FamilyForm, batch: int, tokens: int,
                       upcast_tables=False, **flags).gathered(lead.shape)
     du = incoming["branch"] if gated else None
     a = saved.forward_args(du)
-    dy = incoming.get("x", incoming.get("residual")) if normed else None
+    dy = lead_of(incoming) if normed else None
+    if normed and form.modulations > 1:  # y's gradient: one for each modulation
+        dy = torch.stack([dy, *(lead_of(family_inputs(site, form, batch, tokens, hidden, device=device,
+                                                      seed=seed + 1 + j)) for j in range(1, form.modulations))])
     return saved, a, tuple(rows_of(v, a, name) for v, name in ((saved.u, "u"), (dy, "dy"), (du, "du")))
 
 

@@ -586,8 +586,6 @@ class Site:
         """What of this site the fused backward does not cover (``kernels.autograd``), or None: it restates rows
         given without an index as tables gathered by one index, which rows that broadcast differently (a gate
         per sample beside shift and scale per token, where a gated residual and its norm merge) do not share."""
-        if self.copies > 1:
-            return f"a norm modulated {self.copies} times"
         if self.gathered or self.inputs.get("choice") is not None:
             return None
         rank = len(shape_of(self.lead) or ())

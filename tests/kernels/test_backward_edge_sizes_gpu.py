@@ -5,7 +5,7 @@ H in {1, 31, 64, 101, 200, 5376} and T in {1, 3, 257}, all gradients and the act
 shipped launch configuration, one row per program, without the prefetch of the next row, with the rows re-read
 instead of held, and with the table
 rows held in registers and the streams loaded early each the other way round from the shipped build
-(``BackwardConfig.hoist_tables``, ``early_streams``); and the DiT family's forms.
+(``BackwardConfig.hoist_tables``, ``early_streams``); and the DiT family's forms, a norm modulated twice among them.
 """
 
 import dataclasses
@@ -61,16 +61,19 @@ def test_every_backward_build_at_the_edge_sizes_matches_the_reference(variant, h
 
 
 FAMILY = [(FamilyForm("layer", "per_sample"), False), (FamilyForm("layer", "per_token", True), False),
-          (FamilyForm("rms", "one_for_all"), False), (FamilyForm("layer", "per_token"), True)]
+          (FamilyForm("rms", "one_for_all"), False), (FamilyForm("layer", "per_token"), True),
+          (FamilyForm("layer", "per_sample", modulations=2), False), (FamilyForm("rms", "per_token", modulations=2), False)]
 
 
 @pytest.mark.parametrize("hidden", [1, 31, 101, 5120])
 @pytest.mark.parametrize("form, shared_rows", FAMILY,
-                         ids=["layer-per_sample", "layer-per_token-fp32", "rms-one_for_all", "layer-shared_per_token"])
+                         ids=["layer-per_sample", "layer-per_token-fp32", "rms-one_for_all", "layer-shared_per_token",
+                              "layer-per_sample-x2", "rms-per_token-x2"])
 def test_the_family_forms_at_the_edge_sizes_match_the_reference(form, shared_rows, hidden):
     """The DiT family's forms (``family_backward_inputs``): a LayerNorm, rows per sample, per token (fp32, their
-    sums compensated), one for all (an index in the rows' own order) or shared by the samples (sorted), two
-    samples of T in {1, 3, 257} tokens, all gradients and the activations' alone, the shipped configuration."""
+    sums compensated), one for all (an index in the rows' own order) or shared by the samples (sorted), a norm
+    modulated twice (copies of the rows per sample, sorted, or per token, stored per row), two samples of T in
+    {1, 3, 257} tokens, all gradients and the activations' alone, the shipped configuration."""
     for tokens, site, needs in itertools.product((1, 3, 257), "ABC", (Needs(), ONLY_ACTIVATIONS)):
         saved, a, rows = family_backward_inputs(site, form, 2, tokens, hidden, seed=tokens, shared_rows=shared_rows)
         got = launch_backward(a, *rows, needs, lambda kernel: kernel, ordered_index=saved.ordered_index)

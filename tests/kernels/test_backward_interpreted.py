@@ -169,3 +169,34 @@ def test_family_forms_match_the_reference(site, form, shared_rows):
         reread = dataclasses.replace(config, prefetch=False, hold_rows=False, warm_next_row=True)
         again = launch_backward(a, *rows, Needs(), lambda kernel: kernel, reread, ordered_index=saved.ordered_index)
         assert all(torch.equal(again[k], got[k]) for k in got)
+
+
+@pytest.mark.parametrize("site, index, norm, policy", [("A", "uniform", "layer", "bf16"), ("B", "runs", "rms", "bf16"),
+                                                        ("B", "one_row_each", "layer", "bf16"),
+                                                        ("B", "uniform", "layer", "fp32")])
+def test_copies_of_shift_and_scale_match_the_reference(site, index, norm, policy):
+    """Three copies of ``shift`` and ``scale`` (a norm modulated three times; SD3.5's twice), ``dy`` ``[3, R, H]``:
+    the norm's gradient summed over the copies and each copy's table gradients its own, by the three table
+    gradient paths: the rows sorted by table row (``uniform``), in their own order (``runs``, the rows per sample
+    of a model) and one table row each (``one_row_each``, rows per token: stored as computed), in 32-column
+    chunks of H = 40 on several programs."""
+    rows, hidden, copies = 13, 40, 3
+    t = saved(site, rows, hidden, 5, seed=4, runs=index == "runs")
+    g = torch.Generator().manual_seed(9)
+    table_rows = rows if index == "one_row_each" else 5
+    if index == "one_row_each":
+        t["index"] = torch.arange(rows)
+        t["gate"] = t["gate"][:1].expand(rows, hidden) if site == "B" else None
+    t["shift"], t["scale"] = (0.3 * torch.randn(copies, table_rows, hidden, generator=g).to(bf16) for _ in range(2))
+    t["dy"] = torch.randn(copies, rows, hidden, generator=g).to(bf16)
+    saved_site = SavedSite(t["u"], t["branch"], t["gate"], None, t["shift"], t["scale"], t["index"], eps=1e-5,
+                           policy=policy, norm_rounds_before_weight=False, upcast_tables=False, norm=norm)
+    a = saved_site.forward_args(t["du"])
+    assert a.modulations == copies and a.num_table_rows == table_rows
+    u, dy, du = (rows_of(t[name], a, name) for name in ("u", "dy", "du"))
+    ordered = index != "uniform"
+    config = BackwardConfig(32, 1, 5, -(-rows // 5))
+    got = launch_backward(a, u, dy, du, Needs(), lambda kernel: kernel, config, ordered_index=ordered)
+    ref = reference_backward(a, u, dy, du, Needs())
+    assert got["shift"].shape == (copies * table_rows, hidden)
+    assert_same(got, ref)

@@ -1,6 +1,6 @@
 """The backward of the DiT family's site forms on the CPU (the pure-torch reference behind the fused ops): rows
 given per sample, per token, one for all or chosen per token between two; a LayerNorm or an RMSNorm in each
-public spelling; the norm of the fp32 upcast with fp32 rows. Against finite differences in fp64, against eager's
+public spelling; the norm of the fp32 upcast with fp32 rows; one norm modulated twice. Against finite differences in fp64, against eager's
 autograd of the model's spelling (``family_eager_site``) and against fp64.
 
 A per-sample row's gradient is a sum over its sample's tokens: ours is summed in fp32 in a fixed order and
@@ -21,6 +21,14 @@ from h3_fused.kernels.testing import (
 from helpers import gradients, in_fp64
 
 ACTIVATIONS = {"A": ("x",), "B": ("residual", "branch"), "C": ("residual", "branch")}
+# a norm modulated twice (SD3.5's): sites A and B, as they have the norm
+TWICE = (FamilyForm("layer", "per_sample", modulations=2), FamilyForm("rms", "per_token", modulations=2))
+SITE_FORMS = [(site, form) for site in "ABC" for form in FAMILY_FORMS] + [(site, f) for site in "AB" for f in TWICE]
+
+
+def site_forms(keep=lambda form: True):
+    return pytest.mark.parametrize("site, form", [(s, f) for s, f in SITE_FORMS if keep(f)],
+                                   ids=[f"{s}-{f}" for s, f in SITE_FORMS if keep(f)])
 
 
 
@@ -36,8 +44,7 @@ def exact_gradients(site, form, t, names):
     return gradients(family_exact_site(site, form), in_fp64(t), names)
 
 
-@pytest.mark.parametrize("site", ["A", "B", "C"])
-@pytest.mark.parametrize("form", FAMILY_FORMS, ids=str)
+@site_forms()
 def test_gradcheck_in_fp64(site, form):
     """``torch.autograd.gradcheck`` of the fused op in fp64 (nothing rounds): every differentiable input,
     the rows as the model chunks them from its projection."""
@@ -51,9 +58,8 @@ def test_gradcheck_in_fp64(site, form):
     assert torch.autograd.gradcheck(fn, tuple(t[k].requires_grad_() for k in names))
 
 
-@pytest.mark.parametrize("site", ["A", "B", "C"])
+@site_forms()
 @pytest.mark.parametrize("policy", ["bf16", "fp32"])
-@pytest.mark.parametrize("form", FAMILY_FORMS, ids=str)
 def test_every_gradient_is_as_close_to_fp64_as_eagers(site, policy, form):
     """Against the fp64 gradient of the model's spelling in fp64: each of ours within eager's mean error."""
     t = inputs(site, form)
@@ -65,11 +71,11 @@ def test_every_gradient_is_as_close_to_fp64_as_eagers(site, policy, form):
         assert ours <= eagers * 1.01 + 1e-12, (name, ours, eagers)
 
 
-@pytest.mark.parametrize("site", ["A", "B", "C"])
-@pytest.mark.parametrize("form", [f for f in FAMILY_FORMS if f.norm == "rms"], ids=str)
+@site_forms(lambda form: form.norm == "rms")
 def test_bf16_activation_gradients_of_rms_norms_are_eagers_but_where_a_row_sum_enters(site, form):
     """Eager's CPU autograd of ``F.rms_norm`` rounds where the reference does: the activation gradients are its
-    bits but for rare last-place flips where the order of a row's fp32 sums enters (``contract.Rounding``).
+    bits but for rare last-place flips where the order of a row's fp32 sums enters (``contract.Rounding``); of a
+    norm modulated twice too, whose output's two gradients eager adds in bf16.
     (A LayerNorm's native CPU backward, and diffusers' ``RMSNorm``, whose eager backward rounds the gradients of
     its two uses of ``x`` apart and adds them in bf16, are held to eager's error against fp64, above.)"""
     t = inputs(site, form)

@@ -11,7 +11,8 @@ from test_backward_gpu import relative_error
 
 pytestmark = pytest.mark.gpu
 FORMS = [FamilyForm("layer", "per_sample"), FamilyForm("layer", "per_sample", True), FamilyForm("layer", "per_token", True),
-         FamilyForm("rms", "one_for_all"), FamilyForm("diffusers_rms", "per_sample"), FamilyForm("layer", "chosen")]
+         FamilyForm("rms", "one_for_all"), FamilyForm("diffusers_rms", "per_sample"), FamilyForm("layer", "chosen"),
+         FamilyForm("layer", "per_sample", modulations=2)]
 DIFFERENTIABLE = {"A": ("x", "modulation"), "B": ("residual", "branch", "modulation"),
                   "C": ("residual", "branch", "modulation")}
 

@@ -120,14 +120,18 @@ def test_the_builds_do_not_depend_on_triton_contracting_multiply_adds(site, poli
         assert float_arithmetic(contracted) == float_arithmetic(apart)
 
 
+FAMILY_BACKWARD_BUILDS = [(site, form) for site in "ABC" for form in (
+    FamilyForm("layer", "per_sample"), FamilyForm("layer", "per_token", True))] + [
+    (site, FamilyForm("layer", "per_sample", modulations=2)) for site in "AB"]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("site", ["A", "B", "C"])
-@pytest.mark.parametrize("form", [FamilyForm("layer", "per_sample"), FamilyForm("layer", "per_token", True)],
-                         ids=["layer-per_sample", "layer-per_token-fp32"])
+@pytest.mark.parametrize("site, form", FAMILY_BACKWARD_BUILDS, ids=[f"{s}-{f}" for s, f in FAMILY_BACKWARD_BUILDS])
 def test_the_family_backward_builds_do_not_depend_on_triton_contracting_multiply_adds(site, form):
     """The backward of a LayerNorm site with rows given per sample (bf16), or per token in fp32 (the norm of the
-    fp32 upcast; the sums compensated): every multiply-add written out, so the same float instructions whether
-    or not Triton contracts them (a compensated sum contracted would lose what it compensates)."""
+    fp32 upcast; the sums compensated), or modulated twice (the copies' gradients summed in bf16): every
+    multiply-add written out, so the same float instructions whether or not Triton contracts them (a compensated
+    sum contracted would lose what it compensates)."""
     builds = [compile_backward(site, "bf16", HIDDEN, fp_fusion=on, form=form).asm["ptx"] for on in (True, False)]
     assert float_arithmetic(builds[0]) == float_arithmetic(builds[1])
 

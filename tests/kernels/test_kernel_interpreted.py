@@ -160,6 +160,24 @@ def test_a_norm_modulated_by_copies_of_its_rows_matches_the_reference(source, no
         assert torch.equal(y[j], gate_norm_modulate(x, gate, br, None, s, c, None, **kw)[1])
 
 
+@pytest.mark.parametrize("norm, policy", [("layer", "bf16"), ("rms", "fp32")])
+def test_copies_of_tables_gathered_by_an_index_match_the_reference(norm, policy):
+    """``shift`` and ``scale`` as ``[M, K, H]`` tables with an index (M = 3): copy ``j``'s ``y`` the one norm modulated
+    by table ``j``'s rows, as the reference and as the op called once per copy."""
+    g = torch.Generator().manual_seed(5)
+    x, br = (torch.randn(2, 7, 96, generator=g).to(bf16) for _ in range(2))
+    gate = torch.randn(4, 96, generator=g).to(bf16)
+    shift, scale = (0.3 * torch.randn(3, 4, 96, generator=g).to(bf16) for _ in range(2))
+    index = torch.randint(0, 4, (2, 7), generator=g)
+    kw = dict(eps=1e-6, policy=policy, norm=norm)
+    u, y = gate_norm_modulate(x, gate, br, None, shift, scale, index, **kw)
+    ur, yr = reference(residual=x, branch=br, gate=gate, shift=shift, scale=scale, index=index, **kw)
+    assert y.shape == (3, 2, 7, 96) and torch.equal(u, ur)
+    same_but_for_sum_order(y, yr)
+    for j in range(3):
+        assert torch.equal(y[j], gate_norm_modulate(x, gate, br, None, shift[j], scale[j], index, **kw)[1])
+
+
 @pytest.mark.parametrize("batch, tokens, hidden, dtype", [(1, 1, 100, bf16), (3, 5, 98, torch.float16),
                                                          (2, 7, 36, torch.float32)],
                          ids=["one_token_H100", "fp16_H98", "fp32_H36"])

@@ -141,21 +141,20 @@ def test_opcheck_on_cpu():
                           dict(policy="bf16"))
 
 
-def test_opcheck_on_cpu_with_copies_of_the_rows():
-    """Rows with a leading dim of copies (a norm modulated twice): ``y`` ``[2, ...]`` in the fake tensors too; a
-    backward asked of them raises, naming what it lacks."""
+@pytest.mark.parametrize("rows", ["given", "gathered"])
+def test_opcheck_on_cpu_with_copies_of_the_rows(rows):
+    """``shift`` and ``scale`` with a leading dim of copies (a norm modulated twice): given rows ``[2, B, 1, H]``, or
+    ``[2, K, H]`` tables with an index; ``y`` ``[2, ...]`` in the fake tensors too, and the autograd formula's
+    table gradients of the tables' shape."""
     g = torch.Generator().manual_seed(0)
     x, branch = (torch.randn(2, 5, 64, generator=g).to(bf16) for _ in range(2))
-    gate, shift, scale = (torch.randn(*shape, 64, generator=g).to(bf16) for shape in ((2, 1), (2, 2, 1), (2, 2, 1)))
+    shapes = ((2, 1), (2, 2, 1), (2, 2, 1)) if rows == "given" else ((3,), (2, 3), (2, 3))
+    gate, shift, scale = (torch.randn(*shape, 64, generator=g).to(bf16) for shape in shapes)
+    index = None if rows == "given" else torch.randint(0, 3, (2, 5), generator=g)
     ops = torch.ops.h3_fused
     kw = dict(eps=1e-6, policy="bf16", norm="layer")
-    torch.library.opcheck(ops.norm_modulate.default, (x, None, shift, scale, None), kw,
-                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
-    torch.library.opcheck(ops.gate_norm_modulate.default, (x, gate, branch, None, shift, scale, None), kw,
-                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
-    y = norm_modulate(x.requires_grad_(), None, shift, scale, None, **kw)
-    with pytest.raises(NotImplementedError, match="no fused backward yet for a norm modulated 2 times"):
-        y.sum().backward()
+    torch.library.opcheck(ops.norm_modulate.default, (x, None, shift, scale, index), kw)
+    torch.library.opcheck(ops.gate_norm_modulate.default, (x, gate, branch, None, shift, scale, index), kw)
 
 
 @settings(max_examples=40, deadline=None)
