@@ -39,9 +39,14 @@ REGIONAL = {
 }
 
 
+# whole-model under bf16: every model but Qwen-Image and SD3, whose classes Qwen-Image-Edit and SD3.5 compile whole
+# too; by blocks: every model
+BF16_CASES = [(name, mode) for name in MODELS for mode in ("whole", "regional")
+              if not (mode == "whole" and name in ("qwen_image", "sd3"))]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["whole", "regional"])
-@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("name, mode", BF16_CASES, ids=[f"{n}-{m}" for n, m in BF16_CASES])
 def test_every_site_fuses_and_bf16_computes_what_eager_computes(name, mode):
     r = compare(name, "cpu", real=False, policy="bf16", regional=mode == "regional")
     expected = (WHOLE if mode == "whole" else REGIONAL)[name]
@@ -56,8 +61,9 @@ def test_every_site_fuses_and_bf16_computes_what_eager_computes(name, mode):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["wan"])
 def test_the_fp32_policy_fuses_the_same_sites_within_its_bound(name):
-    r = compare(name, "cpu", real=False, policy="fp32", regional=False)
-    assert tuple(r["sites"].values()) == WHOLE[name] and r["refused"] == 0
+    """Wan by blocks (the norm of the fp32 upcast, fp32 rows) under ``fp32``: the sites ``bf16`` fuses."""
+    r = compare(name, "cpu", real=False, policy="fp32", regional=True)
+    assert tuple(r["sites"].values()) == REGIONAL[name] and r["refused"] == 0
     assert r["max_diff"] <= 0.05, r
 
 
