@@ -35,18 +35,20 @@ import finetune  # noqa: E402
 TOKENS = 16384
 # Activation-sized tensors read or written once by forward + backward (as bench_training.STREAMS): A: x, y | x,
 # dy, dx; B: res, branch, u, y | u, branch, dy, du, dres, dbranch; C: res, branch, u | branch, du, dbranch
-STREAMS = {"A": 5, "B": 10, "C": 6}
+STREAMS = {"A": 5, "B": 10, "C": 6}  # a norm modulated M times: each further modulation's y and dy (A, B)
 ROWS_READ = {"A": 2, "B": 3, "C": 1}  # modulation rows a site reads: shift, scale (and gate)
 
 
-def minimal_step_bytes(site: str, inputs: dict) -> int:
-    """What forward + backward must move: ``STREAMS`` activation-sized tensors, and where the rows are one per
-    token, the rows read by the forward and the backward and their gradients written (rows per sample or for all
-    are negligible)."""
+def minimal_step_bytes(site: str, form, inputs: dict) -> int:
+    """What forward + backward must move: ``STREAMS`` activation-sized tensors (and each further modulation's ``y``
+    and ``dy``), and where the rows are one per token, the rows read by the forward and the backward and their
+    gradients written (rows per sample or for all are negligible)."""
     lead = inputs.get("x", inputs.get("residual"))
     modulation = inputs["modulation"]
     per_token_rows = modulation.numel() // 6 * modulation.element_size() if modulation.dim() == 3 else 0
-    return STREAMS[site] * lead.numel() * lead.element_size() + 3 * ROWS_READ[site] * per_token_rows
+    further = form.modulations - 1 if site != "C" else 0
+    return (STREAMS[site] + 2 * further) * lead.numel() * lead.element_size() + \
+        3 * (ROWS_READ[site] + 2 * further) * per_token_rows
 
 
 def sites_part(models, rows: list, save) -> None:
@@ -58,9 +60,9 @@ def sites_part(models, rows: list, save) -> None:
             fresh()
             inputs = family_inputs(site, form, 1, TOKENS, hidden)
             exact = Step(family_exact_site(site, form), in_fp64(inputs))()
-            nbytes = minimal_step_bytes(site, inputs)
+            nbytes = minimal_step_bytes(site, form, inputs)
             case = dict(part="sites", model=model, site=site, T=TOKENS, H=hidden, norm=form.norm, source=form.source,
-                        in_fp32=form.in_fp32, roof_gbs=roof)
+                        in_fp32=form.in_fp32, modulations=form.modulations, roof_gbs=roof)
             eager = family_eager_site(site, form)
             calls = {name: eager if spec is None else torch.compile(eager, backend=spec[0], options=spec[1],
                                                                      dynamic=False)

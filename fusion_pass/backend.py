@@ -19,13 +19,14 @@ from torch._inductor.compile_fx import compile_fx
 from .cached import compile_key, recall, remember
 from .graph_pass import H3FusionPass
 from .logs import LOG_NAME
+from .narrowing_casts import KeepNarrowingCasts, inductor_drops_narrowing_round_trips
 from .options import FusionOptions
 from .training import computes_gradients, fuse_before_autograd
 
 
-def _user_post_pass_setting(inductor_options: dict):
-    """The post-grad pass setting the user made (in ``options`` or the global config)."""
-    return inductor_options.pop("post_grad_custom_post_pass", inductor_config.post_grad_custom_post_pass)
+def _user_pass_setting(inductor_options: dict, name: str):
+    """The custom-pass setting ``name`` the user made (in ``options`` or the global config)."""
+    return inductor_options.pop(name, getattr(inductor_config, name))
 
 
 def graph_device(example_inputs) -> torch.device:
@@ -71,17 +72,25 @@ def make_config_patches(options: dict | None = None, mode: str | None = None,
                         source: str | None = None) -> dict:
     """Inductor config patches for one compile: mode options, the static launch of our kernels
     (``static_launch_patches``), under the ``bf16`` policy Inductor's settings for eager's numerics
-    (``eager_numerics_patches``), the caller's options (which override both), and our pass
+    (``eager_numerics_patches``) and, where this torch's Inductor drops eager's narrowing casts that are cast
+    straight back, ``KeepNarrowingCasts`` as its joint-graph pre-pass (the user's chained after it), the caller's
+    options (which override the settings), and our pass
     (``fuse_post_grad=False``: it only chains the user's passes, the sites having been fused before autograd;
     ``source``: the code of the Dynamo graph compiled, ``H3FusionPass.source``)."""
     fusion, inductor_options = FusionOptions.split(options)
     patches = dict(list_mode_options(mode)) if mode else {}
     patches.update(static_launch_patches())
-    if resolve_policy(fusion.dtype_policy, device) == "bf16":
+    eager_bits = resolve_policy(fusion.dtype_policy, device) == "bf16"
+    if eager_bits:
         patches.update(eager_numerics_patches())
-    chained = _user_post_pass_setting(inductor_options)
+    chained = _user_pass_setting(inductor_options, "post_grad_custom_post_pass")
+    joint_chained = _user_pass_setting(inductor_options, "joint_custom_pre_pass")
     patches.update(inductor_options)
     patches["post_grad_custom_post_pass"] = H3FusionPass(fusion, chained, fuse=fuse_post_grad, source=source)
+    if eager_bits and inductor_drops_narrowing_round_trips():
+        patches["joint_custom_pre_pass"] = KeepNarrowingCasts(joint_chained)
+    elif joint_chained is not None:
+        patches["joint_custom_pre_pass"] = joint_chained
     return patches
 
 

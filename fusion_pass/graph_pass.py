@@ -36,9 +36,10 @@ def _sources() -> tuple[str, ...]:
 INFERENCE_AWARE = getattr(custom_graph_pass, "CustomInferenceAwareGraphPass", None)
 
 
-def _post_grad_passes(setting) -> tuple:
-    """The passes a ``post_grad_custom_post_pass`` setting holds: none, one, or (torch 2.13 on) a list or tuple
-    (torch's own ``get_custom_graph_passes``, which torch 2.11 and 2.12 lack)."""
+def custom_passes(setting) -> tuple:
+    """The passes a custom-pass setting of Inductor's (``post_grad_custom_post_pass``, ``joint_custom_pre_pass``)
+    holds: none, one, or (torch 2.13 on) a list or tuple (torch's own ``get_custom_graph_passes``, which torch 2.11
+    and 2.12 lack)."""
     if setting is None:
         return ()
     return tuple(setting) if isinstance(setting, (list, tuple)) else (setting,)
@@ -59,7 +60,7 @@ class H3FusionPass(INFERENCE_AWARE or CustomGraphPass):
         self.source = source
         # None, one pass, or a list or tuple of them; a pass of ours stands for the passes it chains, so that
         # compiling through the backend twice chains the user's passes once, not our pass inside our pass
-        self.chained = tuple(q for p in _post_grad_passes(chained)
+        self.chained = tuple(q for p in custom_passes(chained)
                              for q in (p.chained if isinstance(p, H3FusionPass) else (p,)))
 
     def __call__(self, graph: Graph, is_inference: bool | None = None) -> None:

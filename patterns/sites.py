@@ -661,7 +661,7 @@ def _check_copies(affines: list[Affine]) -> None:
     first = affines[0]
     for rows in (a_rows for a in affines for a_rows in (a.shift, a.scale)):
         expect(not rows.gathered and rows.choice is None, "a norm modulated more than once by rows gathered by an "
-               "index or chosen per token: not fused (the op takes copies of rows given per sample or per token)")
+               "index or chosen per token: not fused (the matcher takes copies of rows given per sample or per token)")
     for other in affines[1:]:
         for name in ("shift", "scale"):
             ours, theirs = getattr(first, name), getattr(other, name)
