@@ -82,7 +82,7 @@ def _tie_plus_power_of_two(dtype):
 
 
 @pytest.mark.slow
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(data=st.data(), dtype=st.sampled_from([bf16, torch.float16]))
 def test_sum_rounded_once_is_the_exact_sum_rounded_once(data, dtype):
     """Any finite residual, gate and branch (every bit pattern: subnormals, overflow of the product), and
