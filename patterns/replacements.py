@@ -48,9 +48,10 @@ def replacement_fn(site: Site, policy: str):
             first = torch.arange(samples, device=lead.device)[:, None]
             index = first + samples * (~t["choice"].reshape(rows)).long()
         if site.copies > 1:  # the norm's modulations as copies of its rows (each with the activations' dims, as
-            for name in ("shift", "scale"):  # the op takes them): y [M, ...], one modulation each
+            for name in ("shift", "scale"):  # the op takes them) or of its tables: y [M, ...], one modulation each
                 copies = [t[name]] + [t[f"{name}_{j}"] for j in range(1, site.copies)]
-                t[name] = torch.stack([c.view((1,) * (lead.dim() - c.dim()) + tuple(c.shape)) for c in copies])
+                dims = 2 if site.gathered else lead.dim()
+                t[name] = torch.stack([c.view((1,) * (dims - c.dim()) + tuple(c.shape)) for c in copies])
         weight = t.get("weight")
         if site.kind is SiteKind.NORM_MODULATE:
             y = ops.norm_modulate(lead, weight, t["shift"], t["scale"], index, **norm_flags)

@@ -656,18 +656,21 @@ def _other_modulations(aff: Affine) -> list[Affine]:
 
 
 def _check_copies(affines: list[Affine]) -> None:
-    """Modulations of one norm, which the op takes as rows with a leading dim of copies (stacked): rows given
-    (not gathered, not chosen), of one shape and dtype, computed alike."""
+    """Modulations of one norm, which the op takes as rows (or tables) with a leading dim of copies (stacked): rows
+    given, or tables gathered by one index (not chosen per token), of one shape and dtype, computed alike."""
     first = affines[0]
     for rows in (a_rows for a in affines for a_rows in (a.shift, a.scale)):
-        expect(not rows.gathered and rows.choice is None, "a norm modulated more than once by rows gathered by an "
-               "index or chosen per token: not fused (the matcher takes copies of rows given per sample or per token)")
+        expect(rows.choice is None, "a norm modulated more than once by rows chosen per token: not fused (the "
+               "matcher takes copies of rows given, or of tables gathered by one index)")
+        expect(rows.index is first.shift.index, "a norm modulated more than once by rows gathered by different "
+               "indices, or gathered and given: not fused")
     for other in affines[1:]:
         for name in ("shift", "scale"):
             ours, theirs = getattr(first, name), getattr(other, name)
-            expect(same_shape(ours.shape, theirs.shape) and dtype_of(ours.source) == dtype_of(theirs.source),
+            shapes = (shape_of(ours.source), shape_of(theirs.source)) if ours.gathered else (ours.shape, theirs.shape)
+            expect(same_shape(*shapes) and dtype_of(ours.source) == dtype_of(theirs.source),
                    f"the norm's modulations read {name} rows of different shapes or dtypes "
-                   f"({ours.shape} {dtype_of(ours.source)}, {theirs.shape} {dtype_of(theirs.source)})")
+                   f"({shapes[0]} {dtype_of(ours.source)}, {shapes[1]} {dtype_of(theirs.source)})")
         expect(other.compute == first.compute, "the norm's modulations compute in different dtypes")
 
 

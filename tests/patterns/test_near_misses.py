@@ -120,6 +120,27 @@ def test_gate_then_norm_fuses_as_one_site():
 
 
 
+def twice_gathered(x, b, w, shift, scale, gate, idx, idx2):
+    """One norm modulated twice by tables gathered by one index (as SD3.5 modulates by rows per sample)."""
+    n = F.rms_norm(x, (H,), w, 1e-5)
+    return n * (1 + scale[idx]) + shift[idx], n * (1 + gate[idx]) + b[:6][idx]
+
+
+def test_a_norm_modulated_twice_by_tables_gathered_by_one_index_is_one_site():
+    assert fused_count(twice_gathered) == 1
+    assert counters["h3_fused"]["norm_modulate"] == 1
+
+
+def test_a_norm_modulated_by_tables_gathered_by_two_indices_is_refused_with_the_reason(h3_fused_log):
+    """The second modulation's index is another: the op takes one for all copies."""
+    def fn(x, b, w, shift, scale, gate, idx, idx2):
+        n = F.rms_norm(x, (H,), w, 1e-5)
+        return n * (1 + scale[idx]) + shift[idx], n * (1 + gate[idx2]) + b[:6][idx2]
+
+    assert fused_count(fn) == 0
+    assert any("gathered by different indices" in r.getMessage() for r in h3_fused_log)
+
+
 def test_the_fused_rms_norm_of_a_graph_traced_before_autograd_is_a_norm():
     """On CUDA, ``nn.RMSNorm`` traced before autograd (training graphs) is one ``aten._fused_rms_norm`` node; built
     here by hand, with fake CUDA tensors, site A around it is found with its weight and eps."""
