@@ -179,7 +179,7 @@ def test_copies_of_shift_and_scale_match_the_reference(site, index, norm, policy
     the norm's gradient summed over the copies and each copy's table gradients its own, by the three table
     gradient paths: the rows sorted by table row (``uniform``), in their own order (``runs``, the rows per sample
     of a model) and one table row each (``one_row_each``, rows per token: stored as computed), in 32-column
-    chunks of H = 40 on several programs."""
+    chunks of H = 40 on several programs; the rows held and prefetched, and re-read with the next row warmed."""
     rows, hidden, copies = 13, 40, 3
     t = saved(site, rows, hidden, 5, seed=4, runs=index == "runs")
     g = torch.Generator().manual_seed(9)
@@ -195,8 +195,9 @@ def test_copies_of_shift_and_scale_match_the_reference(site, index, norm, policy
     assert a.modulations == copies and a.num_table_rows == table_rows
     u, dy, du = (rows_of(t[name], a, name) for name in ("u", "dy", "du"))
     ordered = index != "uniform"
-    config = BackwardConfig(32, 1, 5, -(-rows // 5))
-    got = launch_backward(a, u, dy, du, Needs(), lambda kernel: kernel, config, ordered_index=ordered)
     ref = reference_backward(a, u, dy, du, Needs())
-    assert got["shift"].shape == (copies * table_rows, hidden)
-    assert_same(got, ref)
+    shipped = BackwardConfig(32, 1, 5, -(-rows // 5))
+    for config in (shipped, dataclasses.replace(shipped, prefetch=False, hold_rows=False, warm_next_row=True)):
+        got = launch_backward(a, u, dy, du, Needs(), lambda kernel: kernel, config, ordered_index=ordered)
+        assert got["shift"].shape == (copies * table_rows, hidden)
+        assert_same(got, ref)
