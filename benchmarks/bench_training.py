@@ -134,13 +134,7 @@ def backward_config_rows(site: str, tokens: int, hidden: int, rounds: int) -> li
                "warps8": dataclasses.replace(shipped, num_warps=8),
                "warps8_no_prefetch": dataclasses.replace(shipped, num_warps=8, prefetch=False),
                "hoist_tables_toggled": dataclasses.replace(shipped, hoist_tables=not shipped.hoist_tables),
-               "early_streams_toggled": dataclasses.replace(shipped, early_streams=not shipped.early_streams),
-               # the row re-read from the caches in pass 2 instead of held (fewer registers, no spill at A)
-               "rows_reread": dataclasses.replace(shipped, prefetch=False, hold_rows=False),
-               # the next row's streams not prefetched warmed into L2 during the row's work (no registers)
-               "warm_next_row": dataclasses.replace(shipped, warm_next_row=True),
-               "rows_reread_warm_next_row": dataclasses.replace(shipped, prefetch=False, hold_rows=False,
-                                                                warm_next_row=True)}
+               "early_streams_toggled": dataclasses.replace(shipped, early_streams=not shipped.early_streams)}
     needs = Needs(lead=site != "C")
     runs = {name: (lambda c=c: launch_backward(a, *rows_, needs, lambda kernel: kernel, c))
             for name, c in configs.items()}

@@ -24,11 +24,8 @@ not hide an fp32 sum's own error. ``contract.Rounding`` states the same contract
 what autograd does not ask for.
 
 Each program runs through ``rows_per_program`` consecutive rows, one row at a time, the row in registers in
-chunks of ``CHUNK`` columns (``HOLD_ROWS``: ``u`` and ``dy`` held from pass 1 to pass 2; else each pass loads
-them, pass 2 from the caches pass 1 filled, which frees the registers a held row takes; ``PREFETCH`` (held rows
-only): the next row's streamed inputs loaded during the row's work; ``WARM_NEXT_ROW``: the next row's streams not
-prefetched brought into L2 during the row's work, by loads whose results are unused;
-``HOIST_TABLES``: the weight's and the row's table chunks held in registers rather than loaded where each
+chunks of ``CHUNK`` columns (``u`` and ``dy`` held from pass 1 to pass 2; ``PREFETCH``: the next row's streamed
+inputs loaded during the row's work; ``HOIST_TABLES``: the weight's and the row's table chunks held in registers rather than loaded where each
 chunk uses them; ``EARLY_STREAMS``: ``du`` and ``branch`` loaded at the row's start, ahead of its first
 store), and adds each row's contribution to the table and weight gradients into fp32 registers. Where table gradients
 are needed (``SORTED``), the rows are visited in the order of a stable sort of the index (``order``; table
@@ -250,20 +247,6 @@ def _chunks(ptr, t, stride, valid, lanes, WANTED: tl.constexpr, CHUNK: tl.conste
 
 
 @triton.jit
-def _warm_row(ptr, t, stride, valid, lanes, WANTED: tl.constexpr, CHUNK: tl.constexpr, HIDDEN: tl.constexpr):
-    """Where ``WANTED`` (and ``valid``), bring row ``t`` into L2: one element of each of its 32-byte sectors, one per
-    lane, by ``volatile`` loads whose results are unused (the compiler keeps them; no register waits on them).
-    Changes no result."""
-    if WANTED:
-        per_sector: tl.constexpr = 256 // ptr.dtype.element_ty.primitive_bitwidth
-        SECTORS: tl.constexpr = triton.cdiv(HIDDEN, per_sector)
-        for first in tl.static_range(0, SECTORS, CHUNK):
-            sector = first + lanes
-            tl.load(ptr + t * stride + sector * per_sector, mask=(sector < SECTORS) & _everywhere(valid, lanes),
-                    volatile=True)
-
-
-@triton.jit
 def _chunk_of(held, c: tl.constexpr, ptr, t, stride, cols, ok, HELD: tl.constexpr, STREAMED: tl.constexpr = False):
     """Chunk ``c`` (columns ``cols``) of row ``t``: from the chunks ``held`` where ``HELD``, else loaded."""
     if HELD:
@@ -308,8 +291,8 @@ def modulation_backward_kernel(
     NEED_X: tl.constexpr, NEED_BRANCH: tl.constexpr, NEED_SHIFT: tl.constexpr, NEED_SCALE: tl.constexpr,
     NEED_GATE: tl.constexpr, NEED_W: tl.constexpr, SORTED: tl.constexpr, ORDERED_INDEX: tl.constexpr,
     ROW_PER_KEY: tl.constexpr,
-    COMPENSATE_TABLES: tl.constexpr, COMPENSATE_W: tl.constexpr, HOLD_ROWS: tl.constexpr, PREFETCH: tl.constexpr,
-    WARM_NEXT_ROW: tl.constexpr, HOIST_TABLES: tl.constexpr, EARLY_STREAMS: tl.constexpr, INTERPRETED: tl.constexpr,
+    COMPENSATE_TABLES: tl.constexpr, COMPENSATE_W: tl.constexpr, PREFETCH: tl.constexpr,
+    HOIST_TABLES: tl.constexpr, EARLY_STREAMS: tl.constexpr, INTERPRETED: tl.constexpr,
     CHUNK: tl.constexpr,
 ):
     act: tl.constexpr = dx_ptr.dtype.element_ty
@@ -356,9 +339,8 @@ def modulation_backward_kernel(
                                          CHUNK, HIDDEN)
                 u_next = _chunks(u_ptr, t_next, stride_u, s + 1 < end, lanes, HAS_NORM, CHUNK, HIDDEN)
             else:
-                dys = _copies_chunks(dy_ptr, t, n_rows, stride_dy, s < end, lanes, HAS_NORM and HOLD_ROWS, COPIES,
-                                     CHUNK, HIDDEN)
-                us = _chunks(u_ptr, t, stride_u, s < end, lanes, HAS_NORM and HOLD_ROWS, CHUNK, HIDDEN)
+                dys = _copies_chunks(dy_ptr, t, n_rows, stride_dy, s < end, lanes, HAS_NORM, COPIES, CHUNK, HIDDEN)
+                us = _chunks(u_ptr, t, stride_u, s < end, lanes, HAS_NORM, CHUNK, HIDDEN)
                 t_next, k_next = _row(s + 1, s + 1 < end, order_ptr, idx_ptr, num_table_rows, SORTED, ORDERED_INDEX)
             if HOIST_TABLES and not SORTED:  # rows in index order: each row's own table row, at its start
                 scales = _copies_chunks(scale_ptr, k, num_table_rows, stride_scale, s < end, lanes, HAS_NORM, COPIES,
@@ -366,15 +348,6 @@ def modulation_backward_kernel(
                 gates = _chunks(gate_ptr, k, stride_gate, s < end, lanes, NEED_BRANCH, CHUNK, HIDDEN, False)
             else:
                 scales, gates = segment_scales, segment_gates
-            # the next row's streams brought into L2 during this row's work (those not prefetched into registers)
-            _warm_row(u_ptr, t_next, stride_u, s + 1 < end, lanes, WARM_NEXT_ROW and HAS_NORM and not PREFETCH,
-                      CHUNK, HIDDEN)
-            for j in tl.static_range(COPIES):
-                _warm_row(dy_ptr, t_next + j * n_rows, stride_dy, s + 1 < end, lanes,
-                          WARM_NEXT_ROW and HAS_NORM and not PREFETCH, CHUNK, HIDDEN)
-            _warm_row(du_ptr, t_next, stride_du, s + 1 < end, lanes, WARM_NEXT_ROW and HAS_GATE, CHUNK, HIDDEN)
-            _warm_row(branch_ptr, t_next, stride_branch, s + 1 < end, lanes, WARM_NEXT_ROW and NEED_GATE, CHUNK,
-                      HIDDEN)
             # the streams pass 2 reads, loaded before the row's first store (which they cannot pass: it may alias)
             dus = _chunks(du_ptr, t, stride_du, s < end, lanes, HAS_GATE and EARLY_STREAMS, CHUNK, HIDDEN)
             branches = _chunks(branch_ptr, t, stride_branch, s < end, lanes, NEED_GATE and EARLY_STREAMS, CHUNK,
@@ -384,8 +357,7 @@ def modulation_backward_kernel(
                 if LAYER_NORM:
                     sums = tl.zeros([CHUNK], tl.float32)
                     for c in tl.static_range(CHUNKS):
-                        cols = c * CHUNK + lanes
-                        sums += widened(_chunk_of(us, c, u_ptr, t, stride_u, cols, cols < HIDDEN, HOLD_ROWS))
+                        sums += widened(us[c])
                     # the means as FMAs with +0 (the same values): a product would contract into the adds that
                     # take them
                     mean = tl.fma(tl.sum(sums, axis=0), tl.cast(1.0 / HIDDEN, tl.float32), 0.0)
@@ -398,8 +370,8 @@ def modulation_backward_kernel(
                     scale = _copies_chunk_of(scales, c, scale_ptr, k, num_table_rows, stride_scale, cols, ok,
                                              HOIST_TABLES, COPIES, CHUNKS)
                     w = _chunk_of(ws, c, w_ptr, 0, 0, cols, ok, HOIST_TABLES) if HAS_WEIGHT else 0.0
-                    u32 = widened(_chunk_of(us, c, u_ptr, t, stride_u, cols, ok, HOLD_ROWS))
-                    dy = _copies_chunk_of(dys, c, dy_ptr, t, n_rows, stride_dy, cols, ok, HOLD_ROWS, COPIES, CHUNKS)
+                    u32 = widened(us[c])
+                    dy = _copies_chunk_of(dys, c, dy_ptr, t, n_rows, stride_dy, cols, ok, True, COPIES, CHUNKS)
                     if LAYER_NORM:
                         u32 = tl.where(ok, u32 - mean, 0.0)
                     squares = tl.fma(u32, u32, squares)
@@ -422,8 +394,8 @@ def modulation_backward_kernel(
                     if HAS_GATE else 0.0
                 dy, u32, scale, w = (0.0,), 0.0, (0.0,), 0.0
                 if HAS_NORM:
-                    dy = _copies_chunk_of(dys, c, dy_ptr, t, n_rows, stride_dy, cols, ok, HOLD_ROWS, COPIES, CHUNKS)
-                    u32 = widened(_chunk_of(us, c, u_ptr, t, stride_u, cols, ok, HOLD_ROWS))
+                    dy = _copies_chunk_of(dys, c, dy_ptr, t, n_rows, stride_dy, cols, ok, True, COPIES, CHUNKS)
+                    u32 = widened(us[c])
                     if LAYER_NORM:
                         u32 = u32 - mean
                     scale = _copies_chunk_of(scales, c, scale_ptr, k, num_table_rows, stride_scale, cols, ok,

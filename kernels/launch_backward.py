@@ -48,10 +48,7 @@ class Needs:
 @dataclass(frozen=True)
 class BackwardConfig:
     """``chunk`` columns at a time on ``num_warps`` warps; ``programs`` programs of ``rows_per_program`` rows;
-    ``hold_rows``: a row's ``u`` and ``dy`` held in registers from the norm's sums to the gradients, else loaded
-    again (from the caches); ``prefetch`` (held rows only): each row's streamed inputs are loaded during the
-    previous row's work; ``warm_next_row``: the next row's streams not prefetched are brought into L2 during the
-    row's work (one element of each 32-byte sector, a result unused); ``hoist_tables``: the
+    ``prefetch``: each row's streamed inputs are loaded during the previous row's work; ``hoist_tables``: the
     weight's chunks loaded once a program, the ``scale`` and ``gate`` rows' once a table row where the rows
     are sorted (else at each row's start), all held in registers instead of loaded where each chunk uses
     them; ``early_streams``: the incoming residual gradient and the branch loaded at the row's start, ahead
@@ -64,12 +61,6 @@ class BackwardConfig:
     prefetch: bool = True
     hoist_tables: bool = False
     early_streams: bool = False
-    hold_rows: bool = True
-    warm_next_row: bool = False
-
-    def __post_init__(self):
-        if self.prefetch and not self.hold_rows:
-            raise ValueError("BackwardConfig: prefetch=True needs hold_rows=True (the next row is held)")
 
 
 def backward_config(hidden: int, rows, device: torch.device, has_norm: bool = True,
@@ -118,9 +109,7 @@ class BackwardSpecialisation:
     ROW_PER_KEY: bool
     COMPENSATE_TABLES: bool
     COMPENSATE_W: bool
-    HOLD_ROWS: bool
     PREFETCH: bool
-    WARM_NEXT_ROW: bool
     HOIST_TABLES: bool
     EARLY_STREAMS: bool
     INTERPRETED: bool
@@ -159,7 +148,7 @@ def backward_specialisation(a: ModulationArgs, needs: Needs, config: BackwardCon
         SORTED=(need_shift or need_scale or need_gate) and not row_per_key, ORDERED_INDEX=ordered_index,
         ROW_PER_KEY=row_per_key, COMPENSATE_TABLES=any(compensated(t) for t in a.tables),
         COMPENSATE_W=compensated(a.weight),
-        HOLD_ROWS=config.hold_rows, PREFETCH=config.prefetch, WARM_NEXT_ROW=config.warm_next_row,
+        PREFETCH=config.prefetch,
         HOIST_TABLES=config.hoist_tables, EARLY_STREAMS=config.early_streams,
         INTERPRETED=interpreting(), CHUNK=config.chunk)
 

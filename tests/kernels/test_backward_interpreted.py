@@ -67,19 +67,11 @@ def test_every_gradient_matches_the_reference(site, tokens, hidden, table_rows, 
 @pytest.mark.parametrize("index_runs", [False, True])
 def test_rows_in_chunks_many_programs_and_runs_of_the_index(site, index_runs):
     """Rows in 32-column chunks (H = 101: four, the last 5 wide): one row per program without the prefetch, eight
-    with it, and eight with the row re-read instead of held and the next row warmed (``hold_rows=False``,
-    ``warm_next_row``); the index in runs (as in the model) or drawn per row."""
+    with it; the index in runs (as in the model) or drawn per row."""
     t = saved(site, 21, 101, 5, seed=3, runs=index_runs)
-    builds = [(1, (False, True, False)), (8, (True, True, False)), (8, (False, False, True))]
-    for rows_per_program, (prefetch, hold, warm) in builds:
-        config = BackwardConfig(32, 1, rows_per_program, -(-21 // rows_per_program), prefetch, hold_rows=hold,
-                                warm_next_row=warm)
+    for rows_per_program, prefetch in ((1, False), (8, True)):
+        config = BackwardConfig(32, 1, rows_per_program, -(-21 // rows_per_program), prefetch)
         assert_same(*both(t, "bf16", False, Needs(), config))
-
-
-def test_a_prefetch_of_rows_not_held_is_refused():
-    with pytest.raises(ValueError, match="prefetch=True needs hold_rows=True"):
-        BackwardConfig(32, 1, 8, 3, prefetch=True, hold_rows=False)
 
 
 @pytest.mark.parametrize("site, asked, weighted", [("B", (), True), ("B", ("lead", "branch"), True), ("A", (), False)],
@@ -164,11 +156,6 @@ def test_family_forms_match_the_reference(site, form, shared_rows):
     assert spec.ROW_PER_KEY is per_token
     got = launch_backward(a, *rows, Needs(), lambda kernel: kernel, config, ordered_index=saved.ordered_index)
     assert_same(got, reference_backward(a, *rows, Needs()))
-    if site == "B" and str(form) == "layer-per_sample" and not shared_rows:  # the rows re-read in each pass, the
-        # next row warmed: the same bits
-        reread = dataclasses.replace(config, prefetch=False, hold_rows=False, warm_next_row=True)
-        again = launch_backward(a, *rows, Needs(), lambda kernel: kernel, reread, ordered_index=saved.ordered_index)
-        assert all(torch.equal(again[k], got[k]) for k in got)
 
 
 @pytest.mark.parametrize("site, index, norm, policy", [("A", "uniform", "layer", "bf16"), ("B", "runs", "rms", "bf16"),
@@ -179,7 +166,7 @@ def test_copies_of_shift_and_scale_match_the_reference(site, index, norm, policy
     the norm's gradient summed over the copies and each copy's table gradients its own, by the three table
     gradient paths: the rows sorted by table row (``uniform``), in their own order (``runs``, the rows per sample
     of a model) and one table row each (``one_row_each``, rows per token: stored as computed), in 32-column
-    chunks of H = 40 on several programs; the rows held and prefetched, and re-read with the next row warmed."""
+    chunks of H = 40 on several programs; each row's streams prefetched during the previous row, and not."""
     rows, hidden, copies = 13, 40, 3
     t = saved(site, rows, hidden, 5, seed=4, runs=index == "runs")
     g = torch.Generator().manual_seed(9)
@@ -196,8 +183,7 @@ def test_copies_of_shift_and_scale_match_the_reference(site, index, norm, policy
     u, dy, du = (rows_of(t[name], a, name) for name in ("u", "dy", "du"))
     ordered = index != "uniform"
     ref = reference_backward(a, u, dy, du, Needs())
-    shipped = BackwardConfig(32, 1, 5, -(-rows // 5))
-    for config in (shipped, dataclasses.replace(shipped, prefetch=False, hold_rows=False, warm_next_row=True)):
+    for config in (BackwardConfig(32, 1, 5, -(-rows // 5)), BackwardConfig(32, 1, 5, -(-rows // 5), prefetch=False)):
         got = launch_backward(a, u, dy, du, Needs(), lambda kernel: kernel, config, ordered_index=ordered)
         assert got["shift"].shape == (copies * table_rows, hidden)
         assert_same(got, ref)
