@@ -86,7 +86,7 @@ def test_held_tables_and_early_streams_give_the_same_bits(site, asked, weighted)
     needs = Needs(**{name: not asked or name in asked for name in ("lead", "branch", "gate", "weight", "shift", "scale")})
     plain = BackwardConfig(32, 1, 8, 3)
     expected = both(t, "bf16", False, needs, plain)[0]
-    for hoist, early in ((True, False), (False, True), (True, True)):
+    for hoist, early in ((False, True), (True, True)):  # the builds shipped at B, and at A and C
         got = both(t, "bf16", False, needs, dataclasses.replace(plain, hoist_tables=hoist, early_streams=early))[0]
         assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in expected)
 

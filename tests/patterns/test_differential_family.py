@@ -26,7 +26,7 @@ from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 from tqdm import tqdm
 
-EXAMPLES = int(os.environ.get("H3_FUZZ_EXAMPLES", "12"))
+EXAMPLES = int(os.environ.get("H3_FUZZ_EXAMPLES", "8"))
 SEED = int(os.environ.get("H3_FUZZ_SEED", "20261207"))
 f32 = torch.float32
 
