@@ -45,6 +45,19 @@ def custom_passes(setting) -> tuple:
     return tuple(setting) if isinstance(setting, (list, tuple)) else (setting,)
 
 
+def chained_passes(setting, ours: type) -> tuple:
+    """The passes of ``setting`` (``custom_passes``) a pass of ours chains, a pass of class ``ours`` standing for the
+    passes it chains: compiling through the backend twice chains the user's passes once, not our pass in ours."""
+    return tuple(q for p in custom_passes(setting) for q in (p.chained if isinstance(p, ours) else (p,)))
+
+
+def chained_uuids(passes: tuple) -> tuple | None:
+    """The ``uuid()`` of each chained pass, or None where one has none (an opaque user pass: caching would be unsafe,
+    and Inductor bypasses the cache for it too)."""
+    uuids = tuple(p.uuid() if isinstance(p, CustomGraphPass) else None for p in passes)
+    return uuids if all(uuids) else None
+
+
 class H3FusionPass(INFERENCE_AWARE or CustomGraphPass):
     """Fuse the AdaLN modulation sites of a post-grad graph; then run ``chained`` (the passes the user set),
     in order, each called as Inductor would call it (with ``is_inference`` where it is inference-aware)."""
@@ -58,10 +71,7 @@ class H3FusionPass(INFERENCE_AWARE or CustomGraphPass):
         # nn.LayerNorm of bf16 x do) keep cache entries of their own, and each one's record of what fused
         # (``cached.py``) stays true on a hit
         self.source = source
-        # None, one pass, or a list or tuple of them; a pass of ours stands for the passes it chains, so that
-        # compiling through the backend twice chains the user's passes once, not our pass inside our pass
-        self.chained = tuple(q for p in custom_passes(chained)
-                             for q in (p.chained if isinstance(p, H3FusionPass) else (p,)))
+        self.chained = chained_passes(chained, H3FusionPass)  # None, one pass, or a list or tuple of them
 
     def __call__(self, graph: Graph, is_inference: bool | None = None) -> None:
         if self.fusing:
@@ -84,9 +94,9 @@ class H3FusionPass(INFERENCE_AWARE or CustomGraphPass):
         return replace_sites(graph, sites, self.options, decomposed=True), replace_norms(graph, self.options)
 
     def uuid(self) -> bytes | None:
-        chained = tuple(p.uuid() if isinstance(p, CustomGraphPass) else None for p in self.chained)
-        if not all(chained):
-            return None  # an opaque user pass: caching would be unsafe (Inductor bypasses the cache for it too)
+        chained = chained_uuids(self.chained)
+        if chained is None:
+            return None
         digest = hashlib.sha256(get_hash_for_files(_sources()))
         digest.update(repr((self.options, self.fusing, torch.__version__, chained, self.source)).encode())
         return digest.digest()

@@ -21,7 +21,7 @@ import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 from torch.fx import Graph, Node
 
-from .graph_pass import custom_passes
+from .graph_pass import chained_passes, chained_uuids
 
 CAST = torch.ops.prims.convert_element_type.default
 
@@ -58,8 +58,7 @@ class KeepNarrowingCasts(CustomGraphPass):
     argument; then run ``chained`` (the joint-graph pre-passes the user set), in order."""
 
     def __init__(self, chained=None):
-        self.chained = tuple(q for p in custom_passes(chained)
-                             for q in (p.chained if isinstance(p, KeepNarrowingCasts) else (p,)))
+        self.chained = chained_passes(chained, KeepNarrowingCasts)
 
     def __call__(self, graph: Graph) -> None:
         for node in _round_trip_casts(graph):
@@ -72,9 +71,9 @@ class KeepNarrowingCasts(CustomGraphPass):
             chained(graph)
 
     def uuid(self) -> bytes | None:
-        chained = tuple(p.uuid() if isinstance(p, CustomGraphPass) else None for p in self.chained)
-        if not all(chained):
-            return None  # an opaque user pass: caching would be unsafe (Inductor bypasses the cache for it too)
+        chained = chained_uuids(self.chained)
+        if chained is None:
+            return None
         digest = hashlib.sha256(get_hash_for_files((str(pathlib.Path(__file__)),)))
         digest.update(repr((torch.__version__, chained)).encode())
         return digest.digest()

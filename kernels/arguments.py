@@ -187,8 +187,7 @@ class ModulationArgs:
         """``K``, the rows every table (each copy of ``shift`` and ``scale``) has, where gathered (0 otherwise)."""
         if not self.gathered:
             return 0
-        table = self.gate if self.gate is not None else self.scale
-        return table.shape[0] // (1 if table is self.gate else self.modulations)
+        return self.gate.shape[0] if self.gate is not None else self.scale.shape[0] // self.modulations
 
     @property
     def tokens(self) -> int:
@@ -239,7 +238,6 @@ def check_args(*, x=None, residual=None, branch=None, gate=None, weight=None, sh
     if shift is not None and scale is not None:
         if tables["shift"].dtype != tables["scale"].dtype:
             raise TypeError(f"shift and scale must share a dtype, got {shift.dtype} and {scale.dtype}")
-
     if weight is not None:
         check_tensor("weight", weight, ACTIVATION_DTYPES)
         if weight.shape != (hidden,):

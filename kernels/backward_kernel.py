@@ -25,11 +25,11 @@ what autograd does not ask for.
 
 Each program runs through ``rows_per_program`` consecutive rows, one row at a time, the row in registers in
 chunks of ``CHUNK`` columns (``u`` and ``dy`` held from pass 1 to pass 2; ``PREFETCH``: the next row's streamed
-inputs loaded during the row's work; ``HOIST_TABLES``: the weight's and the row's table chunks held in registers rather than loaded where each
-chunk uses them; ``EARLY_STREAMS``: ``du`` and ``branch`` loaded at the row's start, ahead of its first
-store), and adds each row's contribution to the table and weight gradients into fp32 registers. Where table gradients
-are needed (``SORTED``), the rows are visited in the order of a stable sort of the index (``order``; table
-row ``k``'s rows are sorted positions ``seg[k]`` to ``seg[k + 1] - 1``), so that a program's rows of each
+inputs loaded during the row's work; ``HOIST_TABLES``: the weight's and the row's table chunks held in registers
+rather than loaded where each chunk uses them; ``EARLY_STREAMS``: ``du`` and ``branch`` loaded at the row's start,
+ahead of its first store), and adds each row's contribution to the table and weight gradients into fp32 registers.
+Where table gradients are needed (``SORTED``), the rows are visited in the order of a stable sort of the index
+(``order``; table row ``k``'s rows are sorted positions ``seg[k]`` to ``seg[k + 1] - 1``), so that a program's rows of each
 table row are contiguous (``ORDERED_INDEX``: the index is nondecreasing, as for rows given per sample, per
 token or one for all, so the rows' own order is sorted and ``order`` is not read): it sums them and writes the
 sums to slot ``program + k`` of a partial buffer (distinct slots: programs and table rows both increase along
@@ -292,8 +292,7 @@ def modulation_backward_kernel(
     NEED_GATE: tl.constexpr, NEED_W: tl.constexpr, SORTED: tl.constexpr, ORDERED_INDEX: tl.constexpr,
     ROW_PER_KEY: tl.constexpr,
     COMPENSATE_TABLES: tl.constexpr, COMPENSATE_W: tl.constexpr, PREFETCH: tl.constexpr,
-    HOIST_TABLES: tl.constexpr, EARLY_STREAMS: tl.constexpr, INTERPRETED: tl.constexpr,
-    CHUNK: tl.constexpr,
+    HOIST_TABLES: tl.constexpr, EARLY_STREAMS: tl.constexpr, INTERPRETED: tl.constexpr, CHUNK: tl.constexpr,
 ):
     act: tl.constexpr = dx_ptr.dtype.element_ty
     CHUNKS: tl.constexpr = triton.cdiv(HIDDEN, CHUNK)

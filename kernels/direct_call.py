@@ -60,9 +60,8 @@ class DirectLaunch:
     outputs (``u`` where ``want_u``, shaped as the first slot's tensor, ``x`` or the residual; ``y`` of ``y_shape``,
     ``ModulationArgs.y_shape``, where it is not None), on ``device`` (made current for the launch). Under the
     interpreter (CPU tensors) the index is checked on the host first (``index_position``, ``num_table_rows``).
-    On CUDA the first call launches
-    through Triton's ``JITFunction.run`` and keeps the kernel it compiled (``compiled``); later calls launch
-    that kernel directly while Triton has no launch hook."""
+    On CUDA the first call launches through Triton's ``JITFunction.run`` and keeps the kernel it compiled
+    (``compiled``); later calls launch that kernel directly while Triton has no launch hook."""
 
     launch: ForwardLaunch
     positions: tuple[int, ...]

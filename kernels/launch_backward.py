@@ -84,9 +84,9 @@ def backward_config(hidden: int, rows, device: torch.device, has_norm: bool = Tr
 @specialisation(modulation_backward_kernel)
 class BackwardSpecialisation:
     """The backward kernel's constexprs (``backward_kernel``'s module docstring gives their meaning), in its order:
-    the site (with how many modulations of its norm), the rounding contract's ``ROUND_*`` (``contract.Rounding``), the gradients computed (``NEED_*``),
-    whether the rows are visited sorted by table row and whether their own order is sorted, the
-    ``BackwardConfig``, ``INTERPRETED``."""
+    the site (with how many modulations of its norm), the rounding contract's ``ROUND_*`` (``contract.Rounding``),
+    the gradients computed (``NEED_*``), whether the rows are visited sorted by table row and whether their own
+    order is sorted, the ``BackwardConfig``, ``INTERPRETED``."""
 
     HIDDEN: int
     HAS_GATE: bool
@@ -148,8 +148,7 @@ def backward_specialisation(a: ModulationArgs, needs: Needs, config: BackwardCon
         SORTED=(need_shift or need_scale or need_gate) and not row_per_key, ORDERED_INDEX=ordered_index,
         ROW_PER_KEY=row_per_key, COMPENSATE_TABLES=any(compensated(t) for t in a.tables),
         COMPENSATE_W=compensated(a.weight),
-        PREFETCH=config.prefetch,
-        HOIST_TABLES=config.hoist_tables, EARLY_STREAMS=config.early_streams,
+        PREFETCH=config.prefetch, HOIST_TABLES=config.hoist_tables, EARLY_STREAMS=config.early_streams,
         INTERPRETED=interpreting(), CHUNK=config.chunk)
 
 
@@ -192,7 +191,8 @@ def launch_backward(a: ModulationArgs, u: torch.Tensor | None, dy: torch.Tensor 
     def partials(count, wanted, dtype=torch.float32):
         return torch.empty((count, a.hidden), dtype=dtype, device=a.device) if wanted else dy_or_du
 
-    copies = dict(gate=1, shift=a.modulations, scale=a.modulations)  # of each table: shift's and scale's one after
+    # the copies of each gradient's rows (shift's and scale's one after the other)
+    copies = dict(gate=1, shift=a.modulations, scale=a.modulations, weight=1)
     if spec.ROW_PER_KEY:  # the table gradients themselves, written as the rows compute them
         part = {name: partials(copies[name] * a.num_table_rows, wanted, getattr(a, name).dtype if wanted else None)
                 for name, wanted in want.items()}
@@ -227,7 +227,7 @@ def launch_backward(a: ModulationArgs, u: torch.Tensor | None, dy: torch.Tensor 
         KernelLaunch(
             reduce_partials_kernel,
             grid=(ceil_div(a.hidden, REDUCE_BLOCK), table.shape[0] // copies[name] if grouped_sum else 1,
-                  copies.get(name, 1)),
+                  copies[name]),
             num_warps=4, scalars=(config.rows_per_program, config.programs, a.hidden if grouped_sum else 0),
             spec=ReduceSpecialisation(HIDDEN=a.hidden, BLOCK=REDUCE_BLOCK, GROUPED=grouped_sum,
                                       COMPENSATED=spec.COMPENSATE_W if name == "weight" else spec.COMPENSATE_TABLES,
