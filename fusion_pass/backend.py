@@ -17,10 +17,11 @@ from torch._inductor import list_mode_options
 from torch._inductor.compile_fx import compile_fx
 
 from .cached import compile_key, recall, remember
+from .eager_roundings import KeepEagerRoundings, rewrites_needed
 from .graph_pass import H3FusionPass
 from .logs import LOG_NAME
-from .narrowing_casts import KeepNarrowingCasts, inductor_drops_narrowing_round_trips
 from .options import FusionOptions
+from .toolkit_libdevice import link_toolkit_libdevice
 from .training import computes_gradients, fuse_before_autograd
 
 
@@ -72,9 +73,10 @@ def make_config_patches(options: dict | None = None, mode: str | None = None,
                         source: str | None = None) -> dict:
     """Inductor config patches for one compile: mode options, the static launch of our kernels
     (``static_launch_patches``), under the ``bf16`` policy Inductor's settings for eager's numerics
-    (``eager_numerics_patches``) and, where this torch's Inductor drops eager's narrowing casts that are cast
-    straight back, ``KeepNarrowingCasts`` as its joint-graph pre-pass (the user's chained after it), the caller's
-    options (which override the settings), and our pass
+    (``eager_numerics_patches``) and, where this torch's Inductor drops a rounding of eager's whatever those say,
+    ``KeepEagerRoundings`` as its joint-graph pre-pass (the user's chained after it), the caller's
+    options (which override the settings), and our pass; under ``bf16`` with CUDA, where Inductor cannot, it points
+    Triton at the CUDA toolkit's libdevice (``toolkit_libdevice.link_toolkit_libdevice``, for the process)
     (``fuse_post_grad=False``: it only chains the user's passes, the sites having been fused before autograd;
     ``source``: the code of the Dynamo graph compiled, ``H3FusionPass.source``)."""
     fusion, inductor_options = FusionOptions.split(options)
@@ -83,12 +85,14 @@ def make_config_patches(options: dict | None = None, mode: str | None = None,
     eager_bits = resolve_policy(fusion.dtype_policy, device) == "bf16"
     if eager_bits:
         patches.update(eager_numerics_patches())
+        if torch.version.cuda:
+            link_toolkit_libdevice()
     chained = _user_pass_setting(inductor_options, "post_grad_custom_post_pass")
     joint_chained = _user_pass_setting(inductor_options, "joint_custom_pre_pass")
     patches.update(inductor_options)
     patches["post_grad_custom_post_pass"] = H3FusionPass(fusion, chained, fuse=fuse_post_grad, source=source)
-    if eager_bits and inductor_drops_narrowing_round_trips():
-        patches["joint_custom_pre_pass"] = KeepNarrowingCasts(joint_chained)
+    if eager_bits and rewrites_needed():
+        patches["joint_custom_pre_pass"] = KeepEagerRoundings(joint_chained)
     elif joint_chained is not None:
         patches["joint_custom_pre_pass"] = joint_chained
     return patches

@@ -10,6 +10,7 @@ and the options, so the FX graph cache stays on and a change of any of them miss
 from __future__ import annotations
 
 import hashlib
+import os
 import pathlib
 import time
 
@@ -24,6 +25,7 @@ from torch.fx import Graph
 from .logs import log, refuse
 from .options import FusionOptions
 from .replace import replace_norms, replace_sites
+from .toolkit_libdevice import LIBDEVICE_VARIABLE
 
 
 def _sources() -> tuple[str, ...]:
@@ -98,5 +100,8 @@ class H3FusionPass(INFERENCE_AWARE or CustomGraphPass):
         if chained is None:
             return None
         digest = hashlib.sha256(get_hash_for_files(_sources()))
-        digest.update(repr((self.options, self.fusing, torch.__version__, chained, self.source)).encode())
+        # the libdevice Triton links (toolkit_libdevice.py) is not in torch 2.11's cache key: a graph built with
+        # another one must miss
+        libdevice = os.environ.get(LIBDEVICE_VARIABLE)
+        digest.update(repr((self.options, self.fusing, torch.__version__, chained, self.source, libdevice)).encode())
         return digest.digest()

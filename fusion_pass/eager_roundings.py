@@ -1,0 +1,136 @@
+"""``KeepEagerRoundings``: a joint-graph pre-pass that keeps two roundings of eager's which older torches' Inductor
+drops whatever its eager-numerics settings say; under ``bf16`` the backend sets it on those torches.
+
+- **A cast to a narrower float dtype cast straight back** (``x.to(bf16).float()``, as a block's ``.type_as(x)``
+  output meets the next module's ``.float()``; torch 2.11 and 2.12). Their joint-graph pattern
+  ``pointless_convert`` replaces ``convert(convert(x, bf16), fp32)`` by ``convert(x, fp32)``: the bf16 rounding
+  eager performs is gone, and with it eager's bits (Wan's last block and its ``norm_out``: the norm then reads the
+  unrounded fp32 sum, which no fused site may stand for). From torch 2.13 the pattern keeps a narrowing
+  intermediate under ``emulate_precision_casts``. ``restate_narrowing_casts`` writes each such cast with its dtype
+  as a keyword argument, ``convert_element_type(x, dtype=bf16)``: the same op, which Inductor lowers the same way,
+  but not the two positional arguments the pattern matches.
+- **A reciprocal** (``1 / x``, as rotary frequencies ``1 / theta ** (arange / d)`` are written: LTX-Video's,
+  HunyuanVideo's; torch 2.11). Eager divides, correctly rounded; torch 2.11's Inductor writes ``reciprocal`` as
+  Triton's ``1 / x`` of an integer one, which ``eager_numerics.division_rounding`` does not see (it rounds fp32 by
+  fp32 divisions), and Triton divides approximately: a last place apart on about one element in eight. From
+  torch 2.12 Inductor's one is an fp32 constant. ``divide_reciprocals`` writes an fp32 ``reciprocal(x)`` as
+  ``div(full([], 1.0), x)``, an fp32 division that setting rounds as eager does, and one of bf16 or fp16 as that
+  division of ``x`` in fp32 cast back, as eager's kernel computes it.
+
+Nothing else changes: a cast with other readers, an fp64 reciprocal (Triton divides fp64 correctly rounded) are
+left as they are.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import pathlib
+
+import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+from torch.fx import Graph, Node
+
+from .graph_pass import chained_passes, chained_uuids
+
+CAST = torch.ops.prims.convert_element_type.default
+RECIPROCAL = torch.ops.aten.reciprocal.default
+
+
+def _older_than(version: str) -> bool:
+    return torch.torch_version.TorchVersion(torch.__version__) < version
+
+
+def _float_dtype(node: object) -> torch.dtype | None:
+    value = node.meta.get("val") if isinstance(node, Node) else None
+    return value.dtype if isinstance(value, torch.Tensor) and value.dtype.is_floating_point else None
+
+
+def _round_trip_casts(graph: Graph) -> list[Node]:
+    """The casts to a narrower float dtype whose one user casts back to a wider one: what ``pointless_convert``
+    removes."""
+    found = []
+    for node in graph.find_nodes(op="call_function", target=CAST):
+        if len(node.args) != 2:  # restated already
+            continue
+        source, narrow = _float_dtype(node.args[0]), _float_dtype(node)
+        if source is None or narrow is None or narrow.itemsize >= source.itemsize or len(node.users) != 1:
+            continue
+        user = next(iter(node.users))
+        wide = _float_dtype(user) if user.target is CAST else None
+        if wide is not None and wide.itemsize > narrow.itemsize:
+            found.append(node)
+    return found
+
+
+def _replace(graph: Graph, node: Node, target, args: tuple, kwargs: dict) -> None:
+    with graph.inserting_before(node):
+        new = graph.call_function(target, args, kwargs)
+    new.meta.update(node.meta)
+    node.replace_all_uses_with(new)
+    graph.erase_node(node)
+
+
+def restate_narrowing_casts(graph: Graph) -> None:
+    """Each narrowing cast that is cast straight back (``_round_trip_casts``) with its dtype a keyword argument."""
+    for node in _round_trip_casts(graph):
+        _replace(graph, node, CAST, (node.args[0],), {"dtype": node.args[1]})
+
+
+NARROW_FLOATS = (torch.bfloat16, torch.float16)
+
+
+def divide_reciprocals(graph: Graph) -> None:
+    """Each fp32 ``reciprocal(x)`` as ``div(full([], 1.0, fp32), x)``; one of bf16 or fp16 as
+    ``convert(div(full([], 1.0, fp32), convert(x, fp32)), dtype)`` (eager's kernel divides in fp32 and rounds)."""
+    for node in graph.find_nodes(op="call_function", target=RECIPROCAL):
+        value = node.meta.get("val")
+        dtype = value.dtype if isinstance(value, torch.Tensor) else None
+        if dtype != torch.float32 and dtype not in NARROW_FLOATS:
+            continue
+        x = node.args[0]
+        with graph.inserting_before(node):
+            one = graph.call_function(torch.ops.aten.full.default, ([], 1.0),
+                                      {"dtype": torch.float32, "device": value.device, "pin_memory": False})
+            one.meta["val"] = value.new_ones((), dtype=torch.float32)
+            if dtype in NARROW_FLOATS:
+                x = graph.call_function(CAST, (x, torch.float32))
+                x.meta["val"] = value.to(torch.float32)
+                quotient = graph.call_function(torch.ops.aten.div.Tensor, (one, x))
+                quotient.meta["val"] = x.meta["val"]
+        if dtype in NARROW_FLOATS:
+            _replace(graph, node, CAST, (quotient, dtype), {})
+        else:
+            _replace(graph, node, torch.ops.aten.div.Tensor, (one, x), {})
+
+
+def rewrites_needed() -> tuple:
+    """The rewrites this torch's Inductor needs to keep eager's roundings (none from torch 2.13)."""
+    needed = []
+    if _older_than("2.13"):
+        needed.append(restate_narrowing_casts)
+    if _older_than("2.12"):
+        needed.append(divide_reciprocals)
+    return tuple(needed)
+
+
+class KeepEagerRoundings(CustomGraphPass):
+    """Apply ``rewrites`` (by default ``rewrites_needed()``) to the joint graph; then run ``chained`` (the
+    joint-graph pre-passes the user set), in order."""
+
+    def __init__(self, chained=None, rewrites: tuple | None = None):
+        self.chained = chained_passes(chained, KeepEagerRoundings)
+        self.rewrites = rewrites_needed() if rewrites is None else tuple(rewrites)
+
+    def __call__(self, graph: Graph) -> None:
+        for rewrite in self.rewrites:
+            rewrite(graph)
+        for chained in self.chained:
+            chained(graph)
+
+    def uuid(self) -> bytes | None:
+        chained = chained_uuids(self.chained)
+        if chained is None:
+            return None
+        digest = hashlib.sha256(get_hash_for_files((str(pathlib.Path(__file__)),)))
+        digest.update(repr((torch.__version__, [r.__name__ for r in self.rewrites], chained)).encode())
+        return digest.digest()

@@ -1,0 +1,136 @@
+"""``KeepEagerRoundings``: under ``bf16``, a value cast to a narrower float dtype and straight back, and a
+reciprocal, keep eager's rounding on every supported torch (torch 2.11 and 2.12's Inductor drops the narrow cast,
+torch 2.11's divides approximately in a reciprocal; the pass restates each in a form Inductor rounds as eager)."""
+
+import h3_fused
+import h3_fused.backend as backend
+import h3_fused.eager_roundings as eager_roundings
+import pytest
+import torch
+from h3_fused.eager_roundings import (
+    KeepEagerRoundings,
+    divide_reciprocals,
+    restate_narrowing_casts,
+    rewrites_needed,
+)
+from torch._inductor.custom_graph_pass import CustomGraphPass
+from torch._inductor.decomposition import select_decomp_table
+from torch._inductor.pattern_matcher import CallFunction, KeywordArg
+from torch.fx.experimental.proxy_tensor import make_fx
+
+bf16 = torch.bfloat16
+
+
+def round_trips(x):
+    """A round trip through bf16 (a block's ``.type_as`` output read by the next module's ``.float()``), a cast
+    to bf16 used as bf16 and widened, and a widening alone."""
+    rounded = (x * 3).to(bf16).float() * 1.7
+    narrow = x.to(bf16)
+    return rounded, narrow + 1, narrow.float(), x.double()
+
+
+CAST = torch.ops.prims.convert_element_type.default
+# the pattern of torch 2.11 and 2.12's ``joint_graph.pointless_convert``, which drops the inner cast it matches
+POINTLESS_CONVERT = CallFunction(CAST, CallFunction(CAST, KeywordArg("arg"), KeywordArg("dtype1")), KeywordArg("dtype2"))
+
+
+def test_only_a_narrowing_cast_whose_one_user_widens_it_back_is_restated_out_of_the_patterns_reach():
+    gm = make_fx(round_trips, decomposition_table=select_decomp_table(), tracing_mode="fake")(torch.randn(4, 8))
+    # the round trip (a cast to bf16 with other users, as ``narrow``, is one the pattern cannot drop)
+    matched = [n for n in gm.graph.find_nodes(op="call_function", target=CAST) if POINTLESS_CONVERT.match(n)]
+    assert len(matched) == 1 and matched[0].args[0].args[1] == bf16
+    restate_narrowing_casts(gm.graph)
+    gm.graph.lint()
+    gm.recompile()
+    restated = [n for n in gm.graph.find_nodes(op="call_function", target=CAST) if n.kwargs]
+    assert [(n.kwargs["dtype"], len(n.users)) for n in restated] == [(bf16, 1)]
+    assert not [n for n in gm.graph.find_nodes(op="call_function", target=CAST) if POINTLESS_CONVERT.match(n)]
+    x = torch.randn(4, 8)
+    assert all(torch.equal(a, b) for a, b in zip(gm(x), round_trips(x), strict=True))
+
+
+class UserJointPass(CustomGraphPass):
+    def __call__(self, graph):
+        pass
+
+    def uuid(self):
+        return b"user"
+
+
+ALL_REWRITES = (restate_narrowing_casts, divide_reciprocals)
+
+
+@pytest.fixture(params=[True, False], ids=["with_the_pass", "without_the_pass"])
+def drops(request, monkeypatch):
+    """Whether the backend takes Inductor for one that drops eager's roundings (so sets the pass with every
+    rewrite), whatever this torch's Inductor does (``rewrites_needed``)."""
+    needed = (lambda: ALL_REWRITES) if request.param else (lambda: ())
+    monkeypatch.setattr(backend, "rewrites_needed", needed)
+    monkeypatch.setattr(eager_roundings, "rewrites_needed", needed)
+    return request.param
+
+
+@pytest.mark.parametrize("policy", ["bf16", "fp32"])
+def test_the_backend_installs_it_under_bf16_where_inductor_drops_roundings_chaining_the_users(policy, drops):
+    user = UserJointPass()
+    patches = h3_fused.make_config_patches({"dtype_policy": policy, "joint_custom_pre_pass": user})
+    if policy == "bf16" and drops:
+        ours = patches["joint_custom_pre_pass"]
+        assert isinstance(ours, KeepEagerRoundings) and ours.rewrites == ALL_REWRITES
+        assert ours.chained == (user,) and ours.uuid()
+    else:
+        assert patches["joint_custom_pre_pass"] is user
+
+
+def test_the_rewrites_this_torch_needs_are_known():
+    version = torch.torch_version.TorchVersion(torch.__version__)
+    assert rewrites_needed() == tuple(r for r, older in ((restate_narrowing_casts, version < "2.13"),
+                                                         (divide_reciprocals, version < "2.12")) if older)
+
+
+def reciprocals(x):
+    """Rotary frequencies as LTX-Video and HunyuanVideo write them, reciprocals of fp32, bf16 and fp64 values."""
+    return 1.0 / (10000.0 ** (x / 128)), torch.reciprocal(x * 3 + 1), 1.0 / x.to(bf16), 1.0 / x.double()
+
+
+def test_a_reciprocal_is_restated_as_an_fp32_division_but_in_fp64():
+    gm = make_fx(reciprocals, decomposition_table=select_decomp_table(), tracing_mode="fake")(torch.rand(4, 8) + 1)
+    found = gm.graph.find_nodes(op="call_function", target=torch.ops.aten.reciprocal.default)
+    assert [n.meta["val"].dtype for n in found] == [torch.float32, torch.float32, bf16, torch.float64]
+    divide_reciprocals(gm.graph)
+    gm.graph.lint()
+    gm.recompile()
+    left = gm.graph.find_nodes(op="call_function", target=torch.ops.aten.reciprocal.default)
+    divisions = [d for d in gm.graph.find_nodes(op="call_function", target=torch.ops.aten.div.Tensor)
+                 if isinstance(d.args[0], torch.fx.Node) and d.args[0].target is torch.ops.aten.full.default]
+    assert [n.meta["val"].dtype for n in left] == [torch.float64] and len(divisions) == 3
+    assert all(d.args[0].meta["val"].dtype == torch.float32 and d.args[1].meta["val"].dtype == torch.float32
+               and d.args[0].args == ([], 1.0) for d in divisions)
+    narrow = [u for d in divisions for u in d.users if u.target is CAST]
+    assert [(u.args[1], u.meta["val"].dtype) for u in narrow] == [(bf16, bf16)]
+    x = torch.rand(4, 8) + 1
+    assert all(torch.equal(a, b) for a, b in zip(gm(x), reciprocals(x), strict=True))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_round_trip_through_bf16_keeps_eagers_rounding_with_the_pass(device, drops, fresh_compile):
+    """With the pass: eager's bits on every torch. Without it: eager's bits where this torch's Inductor keeps the
+    cast, and not where it drops it (as torch 2.11 on an H100 showed: the pass is what keeps the rounding)."""
+    g = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(64, 256, generator=g, device=device)
+    expected = round_trips(x)
+    got = torch.compile(round_trips, backend="h3_fused", options={"dtype_policy": "bf16"})(x)
+    equal = all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+    assert equal == (drops or restate_narrowing_casts not in rewrites_needed())
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_reciprocals_keep_eagers_rounding_with_the_pass(device, drops, fresh_compile):
+    """With the pass: eager's bits on every torch. Without it: not where this torch's Inductor divides
+    approximately in a reciprocal on CUDA (torch 2.11 on an H100: one element in eight a last place apart)."""
+    x = torch.arange(1, 4097, device=device, dtype=torch.float32) / 7
+    expected = reciprocals(x)
+    got = torch.compile(reciprocals, backend="h3_fused", options={"dtype_policy": "bf16"})(x)
+    equal = all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+    approximate = device == "cuda" and divide_reciprocals in rewrites_needed()
+    assert equal == (drops or not approximate)
