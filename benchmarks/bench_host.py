@@ -46,8 +46,9 @@ def triton_launch(a, outputs):
     """A call of Triton's launcher alone: the launch of the checked arguments ``a`` into ``outputs`` worked out
     once."""
     launch = plan_launch(a)
-    tensors = tuple(getattr(a, name) for name in launch.slots)
-    return lambda: launch(tensors, *outputs, lambda kernel: kernel)
+    tensors = tuple(getattr(a, name) if name else None for name in launch.slots)
+    placeholder = launch.placeholder(a)
+    return lambda: launch(tensors, *outputs, placeholder, lambda kernel: kernel)
 
 
 def synchronize(device: str):

@@ -56,7 +56,8 @@ def call_layout(values) -> tuple | None:
 @dataclass
 class DirectLaunch:
     """A direct call of one layout: the launch (``launch``) on the call's argument values at ``positions`` (one
-    per slot of the launch; each value is the tensor the slot reads, a view of it at most), into new contiguous
+    per slot of the launch; each value is the tensor the slot reads, a view of it at most; ``placeholder`` in
+    the slots of the inputs the site has not, position None), into new contiguous
     outputs (``u`` where ``want_u``, shaped as the first slot's tensor, ``x`` or the residual; ``y`` of ``y_shape``,
     ``ModulationArgs.y_shape``, where it is not None), on ``device`` (made current for the launch). Under the
     interpreter (CPU tensors) the index is checked on the host first (``index_position``, ``num_table_rows``).
@@ -64,7 +65,8 @@ class DirectLaunch:
     (``compiled``); later calls launch that kernel directly while Triton has no launch hook."""
 
     launch: ForwardLaunch
-    positions: tuple[int, ...]
+    positions: tuple[int | None, ...]
+    placeholder: torch.Tensor | None
     device: torch.device
     want_u: bool
     y_shape: torch.Size | None
@@ -77,8 +79,8 @@ class DirectLaunch:
         (site B) or ``u`` (site C)."""
         if self.index_position is not None:
             check_index_on_host(values[self.index_position].reshape(-1), self.num_table_rows)
-        tensors = [values[p] for p in self.positions]
-        lead = tensors[0]  # x or the residual: the outputs' shape, dtype and device
+        tensors = [None if p is None else values[p] for p in self.positions]
+        lead = next(t for t in tensors if t is not None)  # x or the residual: the outputs' shape, dtype and device
         u = torch.empty_like(lead, memory_format=torch.contiguous_format) if self.want_u else None
         y = torch.empty(self.y_shape, dtype=lead.dtype, device=lead.device) if self.y_shape is not None else None
         if self.device.type == "cuda" and self.device.index != current_cuda_device():
@@ -90,9 +92,9 @@ class DirectLaunch:
 
     def _launch(self, inputs, u, y):
         if self.compiled is not None and no_launch_hooks():
-            self.compiled(ForwardLaunch.tensors(inputs, u, y), current_raw_stream(self.device.index))
+            self.compiled(ForwardLaunch.tensors(inputs, u, y, self.placeholder), current_raw_stream(self.device.index))
             return
-        kernel = self.launch(inputs, u, y, lambda jit_function: jit_function)
+        kernel = self.launch(inputs, u, y, self.placeholder, lambda jit_function: jit_function)
         if self.device.type == "cuda" and self.compiled is None:
             self.compiled = self.launch.launch.bind(kernel)
 
@@ -109,13 +111,13 @@ def plan_direct_call(signature: inspect.Signature, args: tuple, kwargs: dict) ->
     if not triton_allowed(a.device, a.dtype) or a.rows == 0 or a.hidden == 0:
         return None
     launch = plan_launch(a)
-    positions = tuple(names.index(slot) if slot in names else -1 for slot in launch.slots)
+    positions = tuple(None if slot is None else names.index(slot) if slot in names else -1 for slot in launch.slots)
     values = (*args, *kwargs.values())
-    if any(p < 0 or getattr(a, slot).data_ptr() != values[p].data_ptr()
+    if any(p is not None and (p < 0 or getattr(a, slot).data_ptr() != values[p].data_ptr())
            for slot, p in zip(launch.slots, positions)):
         return None
     on_host = a.device.type == "cpu"  # the interpreter: no kernel assertion guards the index
-    return DirectLaunch(launch, positions, a.device, want_u=a.gate is not None,
+    return DirectLaunch(launch, positions, launch.placeholder(a), a.device, want_u=a.gate is not None,
                         y_shape=a.y_shape if a.scale is not None else None,
                         index_position=names.index("index") if on_host and a.gathered else None,
                         num_table_rows=a.num_table_rows)

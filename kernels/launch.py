@@ -208,22 +208,31 @@ class ForwardLaunch:
     """One launch of ``modulation_kernel`` worked out for the arguments of a ``ModulationArgs``: everything but
     the tensors, so that calls on arguments of the same layout can share it (``direct_call.py``).
 
-    ``slots``: the ``ModulationArgs`` field each of the kernel's tensor inputs (``FORWARD_INPUTS``) reads; a
-    site without one passes an alias of one it has, which the kernel never reads. ``launch``: the rest."""
+    ``slots``: the ``ModulationArgs`` field each of the kernel's tensor inputs (``FORWARD_INPUTS``) reads, None
+    where the site has no such input: the kernel, which never reads it, is passed a placeholder (``placeholder``),
+    never another input. Under Inductor an input that is a value computed in the graph is written to memory once
+    for each kernel argument that takes it, so an input passed again in the slots of those it stands for was
+    written three or four times over (a modulation row per token in every slot of a table, a residual sum in
+    every slot of a row). ``launch``: the rest."""
 
-    slots: tuple[str, ...]
+    slots: tuple[str | None, ...]
     launch: KernelLaunch
 
     @staticmethod
-    def tensors(inputs, u: torch.Tensor | None, y: torch.Tensor | None) -> tuple:
-        """The kernel's tensor arguments: the inputs (one per slot), then ``u`` and ``y`` (each an alias of the
-        other where the site has no such output)."""
-        return (*inputs, y if u is None else u, u if y is None else y)
+    def tensors(inputs, u: torch.Tensor | None, y: torch.Tensor | None, placeholder: torch.Tensor | None) -> tuple:
+        """The kernel's tensor arguments: the inputs (one per slot; ``placeholder`` where None), then ``u`` and
+        ``y`` (each an alias of the other where the site has no such output)."""
+        return (*(placeholder if t is None else t for t in inputs), y if u is None else u, u if y is None else y)
 
-    def __call__(self, inputs, u: torch.Tensor | None, y: torch.Tensor | None, wrap):
+    def placeholder(self, a: ModulationArgs) -> torch.Tensor | None:
+        """What the kernel is passed in the slots of the inputs the site has not: no elements, ``a``'s device."""
+        return torch.empty(0, dtype=a.dtype, device=a.device) if None in self.slots else None
+
+    def __call__(self, inputs, u: torch.Tensor | None, y: torch.Tensor | None, placeholder: torch.Tensor | None,
+                 wrap):
         """Launch on ``inputs`` into ``u``/``y`` (``wrap``: ``torch.library.wrap_triton``, or the identity for a
         direct launch); returns what the launch returns (the compiled kernel, launched directly)."""
-        return self.launch(self.tensors(inputs, u, y), wrap)
+        return self.launch(self.tensors(inputs, u, y, placeholder), wrap)
 
 
 def plan_launch(a: ModulationArgs, config: LaunchConfig | None = None) -> ForwardLaunch:
@@ -235,25 +244,25 @@ def plan_launch(a: ModulationArgs, config: LaunchConfig | None = None) -> Forwar
     elif sum_order is not SumOrder.OWN and config.chunk != sum_order_chunk(a.hidden, sum_order):
         raise ValueError(f"config.chunk={config.chunk}: where the norm's squares add in an eager kernel's order a "
                          f"chunk holds {sum_order_chunk(a.hidden, sum_order)} columns at H={a.hidden}")
-    rows_alias = "x" if a.x is not None else "residual"
-    table_alias = "gate" if a.gate is not None else "scale" if a.has_affine else rows_alias
-    aliases = dict(x=rows_alias, residual=rows_alias, branch=rows_alias, gate=table_alias, weight=table_alias,
-                   shift=table_alias, scale=table_alias, index=rows_alias)
-    slots = tuple(name if getattr(a, name) is not None else aliases[name] for name in FORWARD_INPUTS)
-    x, res, branch, gate, _, shift, scale, _ = (getattr(a, name) for name in slots)
+    slots = tuple(name if getattr(a, name) is not None else None for name in FORWARD_INPUTS)
     if not a.gathered and (config.warm_rows_ahead or config.warm_tables_first):
         raise ValueError(f"config={config}: rows given without an index are not warmed (warm_rows_ahead=0, "
                          "warm_tables_first=False)")
     warming = warming_program_count(a, config.warming_lanes) if config.warm_tables_first else 0
 
-    def token_stride(t):  # a given [B, T, H] row's token stride (0 where broadcast); a gathered table has none
-        return t.stride(1) if t.dim() == 3 else 0
+    def row_stride(name):  # an input's row stride (0 for one the site has not: the kernel never reads it)
+        t = getattr(a, name)
+        return t.stride(0) if t is not None else 0
+
+    def token_stride(name):  # a given [B, T, H] row's token stride (0 where broadcast); a gathered table has none
+        t = getattr(a, name)
+        return t.stride(1) if t is not None and t.dim() == 3 else 0
 
     return ForwardLaunch(slots, KernelLaunch(
         modulation_kernel, grid=(ceil_div(a.rows, config.block_t) + warming,), num_warps=config.num_warps,
-        scalars=(a.rows, a.num_table_rows, a.tokens, a.eps, x.stride(0), res.stride(0), branch.stride(0),
-                 gate.stride(0), shift.stride(0), scale.stride(0), token_stride(gate), token_stride(shift),
-                 token_stride(scale)),
+        scalars=(a.rows, a.num_table_rows, a.tokens, a.eps, *map(row_stride, ("x", "residual", "branch", "gate",
+                                                                                 "shift", "scale")),
+                 *map(token_stride, ("gate", "shift", "scale"))),
         spec=ForwardSpecialisation.of(a, config, sum_order)))
 
 
@@ -263,4 +272,5 @@ def launch_modulation(a: ModulationArgs, u: torch.Tensor | None, y: torch.Tensor
     identity for a direct launch) with ``config`` (default: ``launch_config``'s). Returns what the launch
     returns (the compiled kernel, for a direct launch)."""
     launch = plan_launch(a, config)
-    return launch(tuple(getattr(a, name) for name in launch.slots), u, y, wrap)
+    return launch(tuple(getattr(a, name) if name else None for name in launch.slots), u, y, launch.placeholder(a),
+                  wrap)

@@ -106,6 +106,37 @@ def test_kernels_per_block():
     assert len(fused) == 2 * 2 + 2 + 2 * 2
 
 
+def test_a_value_computed_in_the_graph_is_written_once_for_the_fused_kernel():
+    """A site whose residual is a sum computed in the graph and whose rows are computed per token (Wan 2.2 TI2V's
+    ``table + temb.float()``, LTX-Video's residual after its cross-attention): Inductor writes each such value
+    once, for the kernel slot that reads it, and nothing for the slots of the inputs the site has not (which once
+    took an alias of one it has, each such slot a copy: the residual four times, a row three)."""
+    torch._dynamo.reset()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    t, h = 1024, 3072
+
+    def site_b(a, b, branch, table, temb):
+        shift, scale, gate = (table + temb.float()).chunk(3, dim=2)
+        u = (a + b).float() + branch * gate.squeeze(2)
+        n = torch.nn.functional.layer_norm(u, (h,), eps=1e-6)
+        return u.to(torch.bfloat16), (n * (1 + scale.squeeze(2)) + shift.squeeze(2)).to(torch.bfloat16)
+
+    a, b, branch = (torch.randn(1, t, h, generator=g, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    table = torch.randn(1, 1, 3, h, generator=g, device="cuda")
+    temb = torch.randn(1, t, 3, h, generator=g, device="cuda", dtype=torch.bfloat16)
+    counters.clear()
+    compiled = torch.compile(site_b, backend="h3_fused", options={"dtype_policy": "bf16"})
+    with torch.no_grad():
+        got, codes = run_and_get_code(compiled, a, b, branch, table, temb)
+    assert counters["h3_fused"]["gate_norm_modulate"] == 1
+    assert all(torch.equal(x, y) for x, y in zip(got, site_b(a, b, branch, table, temb), strict=True))
+    code = "\n".join(codes)
+    kernels = re.findall(r"def (triton_\w+)\(.*?\n(.*?)''', device_str", code, flags=re.S)
+    stores = {name: body.count("tl.store(") for name, body in kernels}
+    # the residual's sum and the three rows: each written once, by whichever kernels Inductor makes of them
+    assert sum(stores.values()) == 4, stores
+
+
 @pytest.mark.large_memory
 @pytest.mark.parametrize("policy", ["bf16", "fp32"])
 def test_real_size_blocks_train_with_the_fused_backward(policy):
