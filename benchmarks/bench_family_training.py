@@ -23,7 +23,7 @@ import os
 import sys
 
 import torch
-from bench_family import MODELS, SITE_VARIANTS, fresh
+from bench_family import MODELS, SITE_VARIANTS, fresh, link_libdevice_first
 from bench_training import Step, in_fp64, relative_errors
 from h3_fused.kernels.testing import family_eager_site, family_exact_site, family_fused_site, family_inputs
 from record import run_parts
@@ -104,6 +104,7 @@ def lora_part(models, rows: list, save, steps: int = 5) -> None:
 
 
 def main():
+    link_libdevice_first()
     run_parts(__doc__, "benchmarks/results/family_training.json", {"sites": sites_part, "lora": lora_part},
               list(MODELS))
 
