@@ -186,10 +186,13 @@ def launch_backward(a: ModulationArgs, u: torch.Tensor | None, dy: torch.Tensor 
     else:
         order = seg = a.index  # not read
 
-    dy_or_du = dy if dy is not None else du
+    # a tensor the site has not, or a gradient not asked for: a placeholder the kernel never reads or writes, never
+    # another argument (under Inductor a value computed in the graph, the incoming gradients, is written once
+    # for each kernel argument that takes it; ``launch.ForwardLaunch``)
+    placeholder = torch.empty(0, dtype=a.dtype, device=a.device)
 
     def partials(count, wanted, dtype=torch.float32):
-        return torch.empty((count, a.hidden), dtype=dtype, device=a.device) if wanted else dy_or_du
+        return torch.empty((count, a.hidden), dtype=dtype, device=a.device) if wanted else placeholder
 
     # the copies of each gradient's rows (shift's and scale's one after the other)
     copies = dict(gate=1, shift=a.modulations, scale=a.modulations, weight=1)
@@ -200,20 +203,20 @@ def launch_backward(a: ModulationArgs, u: torch.Tensor | None, dy: torch.Tensor 
         part = {name: partials(copies[name] * (config.programs + a.num_table_rows), wanted)
                 for name, wanted in want.items()}
     part["weight"] = partials(config.programs, need_w)
-    # a tensor the site has not (or a gradient not asked for) is passed as an alias the kernel never reads
-    rows_alias = u if u is not None else du
-    table_alias = a.gate if has_gate else a.scale
-    out_alias = next(iter(grads.values()), dy_or_du)
-    branch = a.branch if has_gate else rows_alias
-    scale = a.scale if has_norm else table_alias
-    dy, du = (dy if dy is not None else rows_alias), (du if du is not None else rows_alias)
-    tensors = (rows_alias, branch, table_alias, a.weight if a.weight is not None else scale, scale, a.index, order,
-               seg, dy, du, grads.get("lead", out_alias), grads.get("branch", out_alias), part["shift"],
-               part["scale"], part["gate"], part["weight"])
+    def given(t):  # a tensor the site has, else the placeholder
+        return placeholder if t is None else t
+
+    def row_stride(t):
+        return 0 if t is None else t.stride(0)
+
+    branch, gate, scale = (a.branch if has_gate else None), (a.gate if has_gate else None), (a.scale if has_norm else None)
+    tensors = (given(u), given(branch), given(gate), given(a.weight), given(scale), a.index, order, seg, given(dy),
+               given(du), given(grads.get("lead")), given(grads.get("branch")), part["shift"], part["scale"],
+               part["gate"], part["weight"])
     KernelLaunch(
         modulation_backward_kernel, grid=(config.programs,), num_warps=config.num_warps,
-        scalars=(a.rows, a.num_table_rows, config.rows_per_program, a.eps, rows_alias.stride(0), branch.stride(0),
-                 table_alias.stride(0), scale.stride(0), dy.stride(0), du.stride(0)),
+        scalars=(a.rows, a.num_table_rows, config.rows_per_program, a.eps, *map(row_stride, (u, branch, gate, scale,
+                                                                                             dy, du))),
         spec=spec,
     )(tensors, wrap)
     tables = {name: getattr(a, name) for name, wanted in want.items() if wanted and not spec.ROW_PER_KEY}

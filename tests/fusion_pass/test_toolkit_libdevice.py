@@ -22,7 +22,8 @@ def older_torch(monkeypatch, tmp_path):
     monkeypatch.setattr(toolkit, "inductor_links_toolkit_libdevice", lambda: False)
     monkeypatch.setattr(torch.version, "cuda", "13.0")
     monkeypatch.setattr("torch.utils.cpp_extension.CUDA_HOME", str(tmp_path))
-    monkeypatch.delenv(VARIABLE, raising=False)
+    monkeypatch.setenv(VARIABLE, "")  # restored (unset) when the test ends, whatever the backend sets
+    monkeypatch.delenv(VARIABLE)
     monkeypatch.setattr(async_compile.AsyncCompile, "process_pool", types.SimpleNamespace(
         cache_info=lambda: types.SimpleNamespace(currsize=0)))
     libdevice = tmp_path / "nvvm" / "libdevice" / "libdevice.10.bc"
