@@ -17,7 +17,7 @@ from torch._inductor import list_mode_options
 from torch._inductor.compile_fx import compile_fx
 
 from .cached import compile_key, recall, remember
-from .eager_roundings import KeepEagerRoundings, rewrites_needed
+from .eager_roundings import KeepEagerRoundings, decompositions_keeping_eager_kernels, rewrites_needed
 from .graph_pass import H3FusionPass
 from .logs import LOG_NAME
 from .options import FusionOptions
@@ -68,6 +68,11 @@ def _set_where_known(names) -> dict:
     return {name: True for name in names if name in known}
 
 
+def keeps_eager_bits(options: dict | None, device: torch.device) -> bool:
+    """Whether a compile with these options on ``device`` keeps eager's bits (the ``bf16`` policy there)."""
+    return resolve_policy(FusionOptions.split(options)[0].dtype_policy, device) == "bf16"
+
+
 def make_config_patches(options: dict | None = None, mode: str | None = None,
                         device: torch.device = torch.device("cpu"), fuse_post_grad: bool = True,
                         source: str | None = None) -> dict:
@@ -82,7 +87,7 @@ def make_config_patches(options: dict | None = None, mode: str | None = None,
     fusion, inductor_options = FusionOptions.split(options)
     patches = dict(list_mode_options(mode)) if mode else {}
     patches.update(static_launch_patches())
-    eager_bits = resolve_policy(fusion.dtype_policy, device) == "bf16"
+    eager_bits = keeps_eager_bits(options, device)
     if eager_bits:
         patches.update(eager_numerics_patches())
         if torch.version.cuda:
@@ -101,15 +106,17 @@ def make_config_patches(options: dict | None = None, mode: str | None = None,
 def h3_fused_backend(gm: torch.fx.GraphModule, example_inputs, *, options: dict | None = None,
                      mode: str | None = None):
     """Compile ``gm`` with Inductor and the h3_fused pass (the ``"h3_fused"`` backend); a graph that computes
-    gradients has its sites fused before autograd instead."""
+    gradients has its sites fused before autograd instead. Under ``bf16`` Inductor's decompositions but those
+    that round otherwise than eager's kernels (``decompositions_keeping_eager_kernels``)."""
     training = computes_gradients(example_inputs)
-    patches = make_config_patches(options, mode, graph_device(example_inputs), fuse_post_grad=not training,
-                                  source=gm.code)
+    device = graph_device(example_inputs)
+    patches = make_config_patches(options, mode, device, fuse_post_grad=not training, source=gm.code)
+    decompositions = decompositions_keeping_eager_kernels() if keeps_eager_bits(options, device) else None
     if training:
         gm = fuse_before_autograd(gm, example_inputs, FusionOptions.split(options)[0]) or gm
     key = compile_key(gm, example_inputs, patches)
     before = counters[LOG_NAME].copy()
-    compiled = compile_fx(gm, example_inputs, config_patches=patches)
+    compiled = compile_fx(gm, example_inputs, config_patches=patches, decompositions=decompositions)
     made = {name: n - before[name] for name, n in counters[LOG_NAME].items() if n != before[name]}
     if made:
         remember(key, made)

@@ -19,6 +19,13 @@ drops whatever its eager-numerics settings say; under ``bf16`` the backend sets 
 
 Nothing else changes: a cast with other readers, an fp64 reciprocal (Triton divides fp64 correctly rounded) are
 left as they are.
+
+Before that graph exists, Inductor's decompositions can drop a rounding too: ``torch.linspace`` decomposes into
+``start + step * i`` below the middle and ``end - step * (steps - 1 - i)`` above it, each product and sum
+rounded apart (Inductor contracts no multiply-add under ``emulate_precision_casts``), where eager's CUDA kernel
+computes the same expressions, which nvcc compiles as multiply-adds by default. Under ``bf16`` the backend
+compiles with ``decompositions_keeping_eager_kernels()``: ``linspace`` and ``logspace`` stay whole and Inductor
+calls eager's kernel for them (LTX-Video's rotary frequencies are ``theta ** linspace(...)``).
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import pathlib
 
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+from torch._inductor.decomposition import select_decomp_table
 from torch.fx import Graph, Node
 
 from .graph_pass import chained_passes, chained_uuids
@@ -101,6 +109,16 @@ def divide_reciprocals(graph: Graph) -> None:
             _replace(graph, node, CAST, (quotient, dtype), {})
         else:
             _replace(graph, node, torch.ops.aten.div.Tensor, (one, x), {})
+
+
+EAGER_KERNEL_OPS = (torch.ops.aten.linspace, torch.ops.aten.logspace)
+
+
+def decompositions_keeping_eager_kernels() -> dict:
+    """Inductor's decompositions but those of ``EAGER_KERNEL_OPS`` (every overload), which Inductor then calls as
+    eager's kernels."""
+    return {op: fn for op, fn in select_decomp_table().items()
+            if getattr(op, "overloadpacket", None) not in EAGER_KERNEL_OPS}
 
 
 def rewrites_needed() -> tuple:

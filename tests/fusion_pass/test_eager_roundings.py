@@ -134,3 +134,42 @@ def test_reciprocals_keep_eagers_rounding_with_the_pass(device, drops, fresh_com
     equal = all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
     approximate = device == "cuda" and divide_reciprocals in rewrites_needed()
     assert equal == (drops or not approximate)
+
+
+def rotary_frequencies(x):
+    """LTX-Video's: ``theta ** linspace(log_theta(1), log_theta(theta), d)``, scaled by positions."""
+    return x[:, None] * 10000.0 ** torch.linspace(0.0, 1.0, 341, device=x.device, dtype=torch.float32)
+
+
+class RecordedGraph(CustomGraphPass):
+    """A user's post-grad pass that keeps the targets of the graph it is given."""
+
+    def __init__(self):
+        self.targets = []
+
+    def __call__(self, graph):
+        self.targets = [n.target for n in graph.nodes if n.op == "call_function"]
+
+    def uuid(self):
+        return None  # no cache: the pass must see the graph
+
+
+@pytest.mark.parametrize("policy", ["bf16", "fp32"])
+def test_linspace_is_eagers_kernel_under_bf16_only(policy, fresh_compile):
+    """Inductor's decomposition of ``linspace`` rounds its multiply-adds apart, where eager's CUDA kernel fuses
+    them: under ``bf16`` it stays whole, and Inductor calls eager's kernel."""
+    recorded = RecordedGraph()
+    x = torch.arange(64, dtype=torch.float32)
+    got = torch.compile(rotary_frequencies, backend="h3_fused",
+                        options={"dtype_policy": policy, "post_grad_custom_post_pass": recorded})(x)
+    kept = torch.ops.aten.linspace.default in recorded.targets
+    assert kept == (policy == "bf16") and recorded.targets
+    if policy == "bf16":
+        assert torch.equal(got, rotary_frequencies(x))
+
+
+@pytest.mark.gpu
+def test_linspace_compiled_under_bf16_is_eagers_bits(fresh_compile):
+    x = torch.arange(4096, device="cuda", dtype=torch.float32) / 64
+    got = torch.compile(rotary_frequencies, backend="h3_fused", options={"dtype_policy": "bf16"})(x)
+    assert torch.equal(got, rotary_frequencies(x))
