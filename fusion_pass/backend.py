@@ -17,7 +17,7 @@ from torch._inductor import list_mode_options
 from torch._inductor.compile_fx import compile_fx
 
 from .cached import compile_key, recall, remember
-from .eager_roundings import KeepEagerRoundings, decompositions_keeping_eager_kernels, rewrites_needed
+from .eager_roundings import KeepEagerRoundings, keep_eager_linspace, rewrites_needed
 from .graph_pass import H3FusionPass
 from .logs import LOG_NAME
 from .options import FusionOptions
@@ -106,17 +106,18 @@ def make_config_patches(options: dict | None = None, mode: str | None = None,
 def h3_fused_backend(gm: torch.fx.GraphModule, example_inputs, *, options: dict | None = None,
                      mode: str | None = None):
     """Compile ``gm`` with Inductor and the h3_fused pass (the ``"h3_fused"`` backend); a graph that computes
-    gradients has its sites fused before autograd instead. Under ``bf16`` Inductor's decompositions but those
-    that round otherwise than eager's kernels (``decompositions_keeping_eager_kernels``)."""
+    gradients has its sites fused before autograd instead. Under ``bf16`` ``torch.linspace`` is eager's kernel
+    (``eager_roundings.keep_eager_linspace``)."""
     training = computes_gradients(example_inputs)
     device = graph_device(example_inputs)
+    if keeps_eager_bits(options, device):
+        keep_eager_linspace(gm)
     patches = make_config_patches(options, mode, device, fuse_post_grad=not training, source=gm.code)
-    decompositions = decompositions_keeping_eager_kernels() if keeps_eager_bits(options, device) else None
     if training:
         gm = fuse_before_autograd(gm, example_inputs, FusionOptions.split(options)[0]) or gm
     key = compile_key(gm, example_inputs, patches)
     before = counters[LOG_NAME].copy()
-    compiled = compile_fx(gm, example_inputs, config_patches=patches, decompositions=decompositions)
+    compiled = compile_fx(gm, example_inputs, config_patches=patches)
     made = {name: n - before[name] for name, n in counters[LOG_NAME].items() if n != before[name]}
     if made:
         remember(key, made)

@@ -23,9 +23,11 @@ left as they are.
 Before that graph exists, Inductor's decompositions can drop a rounding too: ``torch.linspace`` decomposes into
 ``start + step * i`` below the middle and ``end - step * (steps - 1 - i)`` above it, each product and sum
 rounded apart (Inductor contracts no multiply-add under ``emulate_precision_casts``), where eager's CUDA kernel
-computes the same expressions, which nvcc compiles as multiply-adds by default. Under ``bf16`` the backend
-compiles with ``decompositions_keeping_eager_kernels()``: ``linspace`` and ``logspace`` stay whole and Inductor
-calls eager's kernel for them (LTX-Video's rotary frequencies are ``theta ** linspace(...)``).
+computes the same expressions, which nvcc compiles as multiply-adds by default. Under ``bf16`` the backend puts
+``h3_fused::eager_linspace``, an op whose body is ``torch.linspace`` itself, where Dynamo's graph calls
+``torch.linspace`` or ``torch.logspace`` with numbers (``keep_eager_linspace``): Inductor calls it as it is,
+one launch for a few hundred elements (LTX-Video's rotary frequencies are ``theta ** linspace(...)``), and its
+caches key it by name, as no other decomposition table would let them.
 """
 
 from __future__ import annotations
@@ -35,7 +37,6 @@ import pathlib
 
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
-from torch._inductor.decomposition import select_decomp_table
 from torch.fx import Graph, Node
 
 from .graph_pass import chained_passes, chained_uuids
@@ -111,14 +112,56 @@ def divide_reciprocals(graph: Graph) -> None:
             _replace(graph, node, torch.ops.aten.div.Tensor, (one, x), {})
 
 
-EAGER_KERNEL_OPS = (torch.ops.aten.linspace, torch.ops.aten.logspace)
+@torch.library.custom_op("h3_fused::eager_linspace", mutates_args=())
+def eager_linspace(start: float, end: float, steps: int, base: float | None, dtype: torch.dtype,
+                   device: torch.device) -> torch.Tensor:
+    """``torch.linspace(start, end, steps)`` (``base`` None) or ``torch.logspace(start, end, steps, base)``, as
+    eager computes it."""
+    if base is None:
+        return torch.linspace(start, end, steps, dtype=dtype, device=device)
+    return torch.logspace(start, end, steps, base, dtype=dtype, device=device)
 
 
-def decompositions_keeping_eager_kernels() -> dict:
-    """Inductor's decompositions but those of ``EAGER_KERNEL_OPS`` (every overload), which Inductor then calls as
-    eager's kernels."""
-    return {op: fn for op, fn in select_decomp_table().items()
-            if getattr(op, "overloadpacket", None) not in EAGER_KERNEL_OPS}
+@eager_linspace.register_fake
+def _(start, end, steps, base, dtype, device):
+    return torch.empty(steps, dtype=dtype, device=device)
+
+
+SPACED = {torch.linspace: ("start", "end", "steps"), torch.logspace: ("start", "end", "steps", "base")}
+
+
+def _spaced_arguments(node: Node, names: tuple) -> dict | None:
+    """A call's ``names`` arguments where start, end (and base) are numbers and nothing but ``dtype`` and
+    ``device`` is passed besides, else None."""
+    if len(node.args) > len(names) or set(node.kwargs) - {*names, "dtype", "device"}:
+        return None
+    args = dict(zip(names, node.args)) | {k: v for k, v in node.kwargs.items() if k in names}
+    numbers = ("start", "end", "base") if "base" in args else ("start", "end")
+    if "steps" not in args or not all(isinstance(args.get(k), (int, float)) for k in numbers):
+        return None
+    return args
+
+
+def keep_eager_linspace(gm: torch.fx.GraphModule) -> int:
+    """Put ``h3_fused::eager_linspace`` where Dynamo's graph ``gm`` calls ``torch.linspace`` or ``torch.logspace``
+    with numbers (``_spaced_arguments``); the number of calls replaced."""
+    replaced = 0
+    for target, names in SPACED.items():
+        for node in gm.graph.find_nodes(op="call_function", target=target):
+            value, args = node.meta.get("example_value"), _spaced_arguments(node, names)
+            if not isinstance(value, torch.Tensor) or args is None:
+                continue
+            base = float(args.get("base", 10.0)) if target is torch.logspace else None
+            with gm.graph.inserting_before(node):
+                new = gm.graph.call_function(torch.ops.h3_fused.eager_linspace.default, (
+                    float(args["start"]), float(args["end"]), args["steps"], base, value.dtype, value.device))
+            new.meta.update(node.meta)
+            node.replace_all_uses_with(new)
+            gm.graph.erase_node(node)
+            replaced += 1
+    if replaced:
+        gm.recompile()
+    return replaced
 
 
 def rewrites_needed() -> tuple:

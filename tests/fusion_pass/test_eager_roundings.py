@@ -154,15 +154,18 @@ class RecordedGraph(CustomGraphPass):
         return None  # no cache: the pass must see the graph
 
 
+EAGER_LINSPACE = torch.ops.h3_fused.eager_linspace.default
+
+
 @pytest.mark.parametrize("policy", ["bf16", "fp32"])
 def test_linspace_is_eagers_kernel_under_bf16_only(policy, fresh_compile):
     """Inductor's decomposition of ``linspace`` rounds its multiply-adds apart, where eager's CUDA kernel fuses
-    them: under ``bf16`` it stays whole, and Inductor calls eager's kernel."""
+    them: under ``bf16`` the backend calls eager's ``torch.linspace`` (an op Inductor does not decompose)."""
     recorded = RecordedGraph()
     x = torch.arange(64, dtype=torch.float32)
     got = torch.compile(rotary_frequencies, backend="h3_fused",
                         options={"dtype_policy": policy, "post_grad_custom_post_pass": recorded})(x)
-    kept = torch.ops.aten.linspace.default in recorded.targets
+    kept = EAGER_LINSPACE in recorded.targets
     assert kept == (policy == "bf16") and recorded.targets
     if policy == "bf16":
         assert torch.equal(got, rotary_frequencies(x))
@@ -173,3 +176,27 @@ def test_linspace_compiled_under_bf16_is_eagers_bits(fresh_compile):
     x = torch.arange(4096, device="cuda", dtype=torch.float32) / 64
     got = torch.compile(rotary_frequencies, backend="h3_fused", options={"dtype_policy": "bf16"})(x)
     assert torch.equal(got, rotary_frequencies(x))
+
+
+def test_only_linspace_and_logspace_of_numbers_become_eagers_op():
+    """Dynamo's graph of calls with numbers (positional or by keyword, ``logspace`` with its base) and of one with a
+    tensor for its start, which is left to Inductor."""
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    def spaced(x, start):
+        return (torch.linspace(0.0, 1.0, 5, dtype=torch.float32) + x, torch.logspace(0, 2, steps=5, base=3.0) + x,
+                torch.linspace(start, 1.0, 5) + x)
+
+    x, start = torch.zeros(5), torch.tensor(0.5)
+    torch._dynamo.reset()
+    torch.compile(spaced, backend=capture)(x, start)
+    (gm,) = graphs
+    assert eager_roundings.keep_eager_linspace(gm) == 2
+    calls = [n for n in gm.graph.nodes if n.target is EAGER_LINSPACE]
+    assert [n.args[:4] for n in calls] == [(0.0, 1.0, 5, None), (0.0, 2.0, 5, 3.0)]
+    assert len(gm.graph.find_nodes(op="call_function", target=torch.linspace)) == 1
+    assert all(torch.equal(a, b) for a, b in zip(gm(x, start), spaced(x, start), strict=True))
