@@ -174,6 +174,10 @@ def launch_backward(a: ModulationArgs, u: torch.Tensor | None, dy: torch.Tensor 
         grads["lead"] = _empty_like_rows(a)
     if spec.NEED_BRANCH:
         grads["branch"] = _empty_like_rows(a)
+    # a tensor the site has not, or a gradient not asked for: a placeholder the kernel never reads or writes, never
+    # another argument (under Inductor a value computed in the graph, the incoming gradients, is written once
+    # for each kernel argument that takes it; ``launch.ForwardLaunch``)
+    placeholder = torch.empty(0, dtype=a.dtype, device=a.device)
     bounds = torch.arange(a.num_table_rows + 1, device=a.device) if spec.SORTED else None
     if spec.SORTED and ordered_index:
         order, seg = a.index, torch.searchsorted(a.index, bounds.to(a.index.dtype))  # order: not read
@@ -184,12 +188,7 @@ def launch_backward(a: ModulationArgs, u: torch.Tensor | None, dy: torch.Tensor 
         sorted_keys, order = torch.sort(a.index.long() * a.rows + rows)
         seg = torch.searchsorted(sorted_keys, bounds * a.rows)
     else:
-        order = seg = a.index  # not read
-
-    # a tensor the site has not, or a gradient not asked for: a placeholder the kernel never reads or writes, never
-    # another argument (under Inductor a value computed in the graph, the incoming gradients, is written once
-    # for each kernel argument that takes it; ``launch.ForwardLaunch``)
-    placeholder = torch.empty(0, dtype=a.dtype, device=a.device)
+        order = seg = placeholder  # not read
 
     def partials(count, wanted, dtype=torch.float32):
         return torch.empty((count, a.hidden), dtype=dtype, device=a.device) if wanted else placeholder
@@ -203,6 +202,7 @@ def launch_backward(a: ModulationArgs, u: torch.Tensor | None, dy: torch.Tensor 
         part = {name: partials(copies[name] * (config.programs + a.num_table_rows), wanted)
                 for name, wanted in want.items()}
     part["weight"] = partials(config.programs, need_w)
+
     def given(t):  # a tensor the site has, else the placeholder
         return placeholder if t is None else t
 
