@@ -200,3 +200,14 @@ def test_only_linspace_and_logspace_of_numbers_become_eagers_op():
     assert [n.args[:4] for n in calls] == [(0.0, 1.0, 5, None), (0.0, 2.0, 5, 3.0)]
     assert len(gm.graph.find_nodes(op="call_function", target=torch.linspace)) == 1
     assert all(torch.equal(a, b) for a, b in zip(gm(x, start), spaced(x, start), strict=True))
+
+
+def test_linspace_of_a_symbolic_count_is_eagers_op_too(fresh_compile):
+    """A graph compiled for every size: the count a symbol, one graph, eager's values at each size."""
+    recorded = RecordedGraph()
+    ramp = lambda x: x * torch.linspace(0.0, 1.0, x.shape[0])  # noqa: E731
+    compiled = torch.compile(ramp, backend="h3_fused", dynamic=True,
+                             options={"dtype_policy": "bf16", "post_grad_custom_post_pass": recorded})
+    for n in (5, 9, 17):
+        assert torch.equal(compiled(torch.ones(n)), ramp(torch.ones(n)))
+    assert EAGER_LINSPACE in recorded.targets
