@@ -210,10 +210,9 @@ class ForwardLaunch:
 
     ``slots``: the ``ModulationArgs`` field each of the kernel's tensor inputs (``FORWARD_INPUTS``) reads, None
     where the site has no such input: the kernel, which never reads it, is passed a placeholder (``placeholder``),
-    never another input. Under Inductor an input that is a value computed in the graph is written to memory once
-    for each kernel argument that takes it, so an input passed again in the slots of those it stands for was
-    written three or four times over (a modulation row per token in every slot of a table, a residual sum in
-    every slot of a row). ``launch``: the rest."""
+    never another input: under Inductor an input that is a value computed in the graph is written to memory once
+    for each kernel argument that takes it, so an alias in the slots of absent inputs would write it again for
+    each (a modulation row per token, a residual sum). ``launch``: the rest."""
 
     slots: tuple[str | None, ...]
     launch: KernelLaunch
