@@ -115,11 +115,11 @@ def test_a_value_computed_in_the_graph_is_written_once_for_the_fused_kernel():
     g = torch.Generator(device="cuda").manual_seed(0)
     t, h = 1024, 3072
 
-    def site_b(a, b, branch, table, temb):
+    def site_b(a, b, branch, table, temb):  # Wan's spelling: fp32 rows, residual and affine, one cast after each
         shift, scale, gate = (table + temb.float()).chunk(3, dim=2)
-        u = (a + b).float() + branch * gate.squeeze(2)
-        n = torch.nn.functional.layer_norm(u, (h,), eps=1e-6)
-        return u.to(torch.bfloat16), (n * (1 + scale.squeeze(2)) + shift.squeeze(2)).to(torch.bfloat16)
+        u = ((a + b).float() + branch * gate.squeeze(2)).to(torch.bfloat16)
+        n = torch.nn.functional.layer_norm(u.float(), (h,), eps=1e-6)
+        return u, (n * (1 + scale.squeeze(2)) + shift.squeeze(2)).to(torch.bfloat16)
 
     a, b, branch = (torch.randn(1, t, h, generator=g, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     table = torch.randn(1, 1, 3, h, generator=g, device="cuda")
@@ -133,8 +133,9 @@ def test_a_value_computed_in_the_graph_is_written_once_for_the_fused_kernel():
     code = "\n".join(codes)
     kernels = re.findall(r"def (triton_\w+)\(.*?\n(.*?)''', device_str", code, flags=re.S)
     stores = {name: body.count("tl.store(") for name, body in kernels}
-    # the residual's sum and the three rows: each written once, by whichever kernels Inductor makes of them
-    assert sum(stores.values()) == 4, stores
+    # the residual's sum and the three rows (or the sum of the table and temb they are views of): each written at
+    # most once, by whichever kernels Inductor makes of them (an alias in the absent slots made it 7 stores)
+    assert 0 < sum(stores.values()) <= 4, stores
 
 
 @pytest.mark.large_memory
