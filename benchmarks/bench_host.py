@@ -46,8 +46,7 @@ def triton_launch(a, outputs):
     """A call of Triton's launcher alone: the launch of the checked arguments ``a`` into ``outputs`` worked out
     once."""
     launch = plan_launch(a)
-    tensors = tuple(getattr(a, name) if name else None for name in launch.slots)
-    placeholder = launch.placeholder(a)
+    tensors, placeholder = launch.inputs(a), launch.placeholder(a)
     return lambda: launch(tensors, *outputs, placeholder, lambda kernel: kernel)
 
 

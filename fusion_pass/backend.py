@@ -68,9 +68,9 @@ def _set_where_known(names) -> dict:
     return {name: True for name in names if name in known}
 
 
-def keeps_eager_bits(options: dict | None, device: torch.device) -> bool:
-    """Whether a compile with these options on ``device`` keeps eager's bits (the ``bf16`` policy there)."""
-    return resolve_policy(FusionOptions.split(options)[0].dtype_policy, device) == "bf16"
+def keeps_eager_bits(fusion: FusionOptions, device: torch.device) -> bool:
+    """Whether a compile under ``fusion`` on ``device`` keeps eager's bits (the ``bf16`` policy there)."""
+    return resolve_policy(fusion.dtype_policy, device) == "bf16"
 
 
 def make_config_patches(options: dict | None = None, mode: str | None = None,
@@ -87,7 +87,7 @@ def make_config_patches(options: dict | None = None, mode: str | None = None,
     fusion, inductor_options = FusionOptions.split(options)
     patches = dict(list_mode_options(mode)) if mode else {}
     patches.update(static_launch_patches())
-    eager_bits = keeps_eager_bits(options, device)
+    eager_bits = keeps_eager_bits(fusion, device)
     if eager_bits:
         patches.update(eager_numerics_patches())
         if torch.version.cuda:
@@ -109,12 +109,12 @@ def h3_fused_backend(gm: torch.fx.GraphModule, example_inputs, *, options: dict 
     gradients has its sites fused before autograd instead. Under ``bf16`` ``torch.linspace`` is eager's kernel
     (``eager_roundings.keep_eager_linspace``)."""
     training = computes_gradients(example_inputs)
-    device = graph_device(example_inputs)
-    if keeps_eager_bits(options, device):
+    device, fusion = graph_device(example_inputs), FusionOptions.split(options)[0]
+    if keeps_eager_bits(fusion, device):
         keep_eager_linspace(gm)
     patches = make_config_patches(options, mode, device, fuse_post_grad=not training, source=gm.code)
     if training:
-        gm = fuse_before_autograd(gm, example_inputs, FusionOptions.split(options)[0]) or gm
+        gm = fuse_before_autograd(gm, example_inputs, fusion) or gm
     key = compile_key(gm, example_inputs, patches)
     before = counters[LOG_NAME].copy()
     compiled = compile_fx(gm, example_inputs, config_patches=patches)

@@ -152,12 +152,8 @@ def keep_eager_linspace(gm: torch.fx.GraphModule) -> int:
             if not isinstance(value, torch.Tensor) or args is None:
                 continue
             base = float(args.get("base", 10.0)) if target is torch.logspace else None
-            with gm.graph.inserting_before(node):
-                new = gm.graph.call_function(torch.ops.h3_fused.eager_linspace.default, (
-                    float(args["start"]), float(args["end"]), args["steps"], base, value.dtype, value.device))
-            new.meta.update(node.meta)
-            node.replace_all_uses_with(new)
-            gm.graph.erase_node(node)
+            _replace(gm.graph, node, torch.ops.h3_fused.eager_linspace.default,
+                     (float(args["start"]), float(args["end"]), args["steps"], base, value.dtype, value.device), {})
             replaced += 1
     if replaced:
         gm.recompile()

@@ -14,7 +14,7 @@ import torch
 from .arguments import ModulationArgs
 from .contract import Rounding, SumOrder
 from .forward_kernel import modulation_kernel
-from .launch_plan import KernelLaunch, specialisation
+from .launch_plan import KernelLaunch, row_stride, specialisation
 from .runtime import ceil_div, interpreting
 
 MAX_BLOCK_H = 32768
@@ -223,6 +223,10 @@ class ForwardLaunch:
         ``y`` (each an alias of the other where the site has no such output)."""
         return (*(placeholder if t is None else t for t in inputs), y if u is None else u, u if y is None else y)
 
+    def inputs(self, a: ModulationArgs) -> tuple:
+        """``a``'s tensor for each slot, None where the site has none."""
+        return tuple(getattr(a, name) if name else None for name in self.slots)
+
     def placeholder(self, a: ModulationArgs) -> torch.Tensor | None:
         """What the kernel is passed in the slots of the inputs the site has not: no elements, ``a``'s device."""
         return torch.empty(0, dtype=a.dtype, device=a.device) if None in self.slots else None
@@ -249,19 +253,14 @@ def plan_launch(a: ModulationArgs, config: LaunchConfig | None = None) -> Forwar
                          "warm_tables_first=False)")
     warming = warming_program_count(a, config.warming_lanes) if config.warm_tables_first else 0
 
-    def row_stride(name):  # an input's row stride (0 for one the site has not: the kernel never reads it)
-        t = getattr(a, name)
-        return t.stride(0) if t is not None else 0
-
-    def token_stride(name):  # a given [B, T, H] row's token stride (0 where broadcast); a gathered table has none
-        t = getattr(a, name)
+    def token_stride(t):  # a given [B, T, H] row's token stride (0 where broadcast); a gathered table has none
         return t.stride(1) if t is not None and t.dim() == 3 else 0
 
     return ForwardLaunch(slots, KernelLaunch(
         modulation_kernel, grid=(ceil_div(a.rows, config.block_t) + warming,), num_warps=config.num_warps,
-        scalars=(a.rows, a.num_table_rows, a.tokens, a.eps, *map(row_stride, ("x", "residual", "branch", "gate",
-                                                                                 "shift", "scale")),
-                 *map(token_stride, ("gate", "shift", "scale"))),
+        scalars=(a.rows, a.num_table_rows, a.tokens, a.eps,
+                 *map(row_stride, (a.x, a.residual, a.branch, a.gate, a.shift, a.scale)),
+                 *map(token_stride, (a.gate, a.shift, a.scale))),
         spec=ForwardSpecialisation.of(a, config, sum_order)))
 
 
@@ -271,5 +270,4 @@ def launch_modulation(a: ModulationArgs, u: torch.Tensor | None, y: torch.Tensor
     identity for a direct launch) with ``config`` (default: ``launch_config``'s). Returns what the launch
     returns (the compiled kernel, for a direct launch)."""
     launch = plan_launch(a, config)
-    return launch(tuple(getattr(a, name) if name else None for name in launch.slots), u, y, launch.placeholder(a),
-                  wrap)
+    return launch(launch.inputs(a), u, y, launch.placeholder(a), wrap)

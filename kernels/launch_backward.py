@@ -16,7 +16,7 @@ import torch
 from .arguments import ModulationArgs
 from .backward_kernel import modulation_backward_kernel, reduce_partials_kernel
 from .contract import compensated
-from .launch_plan import KernelLaunch, specialisation
+from .launch_plan import KernelLaunch, row_stride, specialisation
 from .runtime import ceil_div, interpreting
 
 BACKWARD_MAX_CHUNK = 2048  # columns of a row a program holds at a time: 4 per thread on 16 warps
@@ -205,9 +205,6 @@ def launch_backward(a: ModulationArgs, u: torch.Tensor | None, dy: torch.Tensor 
 
     def given(t):  # a tensor the site has, else the placeholder
         return placeholder if t is None else t
-
-    def row_stride(t):
-        return 0 if t is None else t.stride(0)
 
     branch, gate, scale = (a.branch if has_gate else None), (a.gate if has_gate else None), (a.scale if has_norm else None)
     tensors = (given(u), given(branch), given(gate), given(a.weight), given(scale), a.index, order, seg, given(dy),

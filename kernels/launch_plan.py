@@ -50,6 +50,11 @@ def specialisation(kernel):
     return declare
 
 
+def row_stride(t) -> int:
+    """A tensor argument's row stride, 0 for one a site has not (a placeholder the kernel never reads)."""
+    return 0 if t is None else t.stride(0)
+
+
 def constexprs(spec) -> dict[str, Any]:
     """A specialisation's constexprs by name."""
     return {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)}

@@ -251,7 +251,7 @@ def test_a_compiled_launch_passes_every_kernel_argument_in_the_kernels_order():
     calls = []
     compiled = SimpleNamespace(run=lambda *args: calls.append(args), function="f", packed_metadata="m",
                                metadata=None)
-    inputs = [getattr(a, slot) if slot else None for slot in plan.slots]
+    inputs = list(plan.inputs(a))
     y = torch.empty_like(a.x)
     placeholder = plan.placeholder(a)
     plan.launch.bind(compiled)(ForwardLaunch.tensors(inputs, None, y, placeholder), stream=7)
