@@ -25,6 +25,7 @@ import sys
 
 import torch
 from h3_fused.kernels.testing import (
+    TABLE_PLUS_ROWS,
     FamilyForm,
     family_eager_site,
     family_fused_site,
@@ -43,7 +44,7 @@ import dit_family  # noqa: E402
 MODELS = {  # model: (hidden, its sites' form, its typical tokens per sample; dit-family.md section 5)
     "flux": (3072, FamilyForm("layer", "per_sample"), 4608),
     "wan": (5120, FamilyForm("layer", "per_sample", in_fp32=True), 32760),
-    "wan_ti2v": (3072, FamilyForm("layer", "per_token", in_fp32=True), 27280),
+    "wan_ti2v": (3072, FamilyForm("layer", TABLE_PLUS_ROWS, in_fp32=True), 27280),  # fp32 table + bf16 temb per token
     "hunyuan_video": (3072, FamilyForm("layer", "per_sample"), 30256),
     "qwen_image": (3072, FamilyForm("layer", "per_sample"), 6912),
     "qwen_image_edit": (3072, FamilyForm("layer", "chosen"), 8192),

@@ -92,7 +92,7 @@ class H3FusionPass(INFERENCE_AWARE or CustomGraphPass):
     def fuse(self, graph: Graph) -> tuple[int, int]:
         """Replace every site of ``graph``, then (``bf16``) the norms outside them; ``(sites, norms)``
         replaced."""
-        sites = find_sites(graph, refuse, note=log.debug)
+        sites = find_sites(graph, refuse, note=log.debug, row_biases=True)  # inference graphs
         return replace_sites(graph, sites, self.options, decomposed=True), replace_norms(graph, self.options)
 
     def uuid(self) -> bytes | None:

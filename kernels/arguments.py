@@ -14,6 +14,11 @@ layouts are copied) and takes its modulation rows (``shift``, ``scale``, ``gate`
 With copies, ``y`` is ``M`` modulations of the one norm, ``[M, ...]``, as torch broadcasts
 ``norm(x) * (1 + scale) + shift`` (SD3.5's norm modulated twice).
 
+Given rows may come with a bias each (``gate_bias``, ``shift_bias``, ``scale_bias``: an ``[H]`` row added to every
+row, all of the site's rows or none; no copies): the modulation is then ``rows + bias``, summed as
+``contract.Rounding.row_sum`` says (Wan's and LTX-Video's ``scale_shift_table + temb`` per token, without the
+``[B, T, H]`` sums ever written).
+
 A plain norm (``x`` and its weight, no tables) has neither. Bad input raises ``ValueError``/``TypeError`` naming
 the argument.
 """
@@ -86,6 +91,32 @@ def check_rows(name: str, t: object, shape: torch.Size, copies: int | None = Non
         return expanded.reshape(samples, tokens, hidden)
 
 
+ROWS = ("gate", "shift", "scale")
+
+
+def check_row_biases(biases: dict, given: dict, index, copies, hidden: int) -> dict[str, torch.Tensor]:
+    """The biases of the given rows (``biases``: name of the rows -> an ``[H]`` row or None), each contiguous: all
+    of the rows ``given`` or none, without an index or copies. Returns the rows' names to their biases."""
+    present = {name: b for name, b in biases.items() if b is not None}
+    if not present:
+        return {}
+    for name, b in present.items():
+        if name not in given:
+            raise ValueError(f"{name}_bias is given without {name}")
+        check_tensor(f"{name}_bias", b, TABLE_DTYPES)
+        if b.shape != (hidden,):
+            raise ValueError(f"{name}_bias must have shape [H={hidden}], got {tuple(b.shape)}")
+    if index is not None:
+        raise ValueError("row biases (" + ", ".join(f"{k}_bias" for k in present) + ") add to rows given without "
+                         "an index; with an index, add them to the tables")
+    if copies is not None:
+        raise ValueError("row biases are not taken with copies of shift and scale")
+    if set(present) != set(given):
+        raise ValueError("every modulation row takes a bias or none: got " + ", ".join(f"{k}_bias" for k in present)
+                         + " for rows " + ", ".join(given))
+    return {name: b.contiguous() for name, b in present.items()}
+
+
 def modulation_copies(shift: object, scale: object, dims: int) -> int | None:
     """``M`` where ``shift`` and ``scale`` carry a leading dim of copies beyond their ``dims`` (the activations'
     for given rows, 2 for tables), both the same ``M``, else None."""
@@ -134,6 +165,14 @@ class ModulationArgs:
     norm: str = "rms"  # "rms": x * rsqrt(mean(x^2) + eps); "layer": (x - mean) * rsqrt(var + eps)
     copies: int | None = None  # M: shift and scale with a leading dim of M copies (read as [M * K, H] tables or
     # [M * B, T, H] rows), y [M, ...]
+    gate_bias: torch.Tensor | None = None  # [H] rows added to the given rows (all of them or none)
+    shift_bias: torch.Tensor | None = None
+    scale_bias: torch.Tensor | None = None
+
+    @property
+    def row_bias(self) -> bool:
+        """Whether the given rows come with biases (``check_row_biases``)."""
+        return any(b is not None for b in (self.gate_bias, self.shift_bias, self.scale_bias))
 
     @property
     def y_shape(self) -> torch.Size:
@@ -196,12 +235,13 @@ class ModulationArgs:
 
 
 def check_args(*, x=None, residual=None, branch=None, gate=None, weight=None, shift=None, scale=None,
-               index=None, eps: float = 0.0, policy: str, norm_rounds_before_weight: bool = False,
-               upcast_tables: bool = False, has_norm: bool, norm: str = "rms",
-               norm_in_fp32: bool = False) -> ModulationArgs:
-    """The checked arguments of a site (tables gathered by ``index``, or rows given without one), or of a plain
-    norm of ``x`` (``has_norm``, no tables, no index). ``norm``: ``"rms"`` or ``"layer"``; ``norm_in_fp32``: the
-    norm is computed on the activations upcast to fp32 and its output is not rounded (the affine then fp32)."""
+               index=None, gate_bias=None, shift_bias=None, scale_bias=None, eps: float = 0.0, policy: str,
+               norm_rounds_before_weight: bool = False, upcast_tables: bool = False, has_norm: bool,
+               norm: str = "rms", norm_in_fp32: bool = False) -> ModulationArgs:
+    """The checked arguments of a site (tables gathered by ``index``, or rows given without one, maybe with
+    biases), or of a plain norm of ``x`` (``has_norm``, no tables, no index). ``norm``: ``"rms"`` or ``"layer"``;
+    ``norm_in_fp32``: the norm is computed on the activations upcast to fp32 and its output is not rounded (the
+    affine then fp32)."""
     check_policy(policy)
     if norm not in NORMS:
         raise ValueError(f"norm must be one of {NORMS}, got {norm!r}")
@@ -235,9 +275,14 @@ def check_args(*, x=None, residual=None, branch=None, gate=None, weight=None, sh
                 f"{k} {n}" for k, n in counts.items()))
     else:
         tables = {k: check_rows(k, v, shape, copies if k != "gate" else None) for k, v in given.items()}
+    biases = check_row_biases(dict(gate=gate_bias, shift=shift_bias, scale=scale_bias), given, index, copies, hidden)
+    # the modulation's dtype: the rows', or that of their sum with the biases
+    row_dtypes = {k: torch.promote_types(v.dtype, biases[k].dtype) if k in biases else v.dtype
+                  for k, v in tables.items()}
     if shift is not None and scale is not None:
-        if tables["shift"].dtype != tables["scale"].dtype:
-            raise TypeError(f"shift and scale must share a dtype, got {shift.dtype} and {scale.dtype}")
+        if row_dtypes["shift"] != row_dtypes["scale"]:
+            raise TypeError(f"shift and scale must share a dtype, got {row_dtypes['shift']} and {row_dtypes['scale']}"
+                            f"{' (with their biases)' if biases else ''}")
     if weight is not None:
         check_tensor("weight", weight, ACTIVATION_DTYPES)
         if weight.shape != (hidden,):
@@ -248,15 +293,16 @@ def check_args(*, x=None, residual=None, branch=None, gate=None, weight=None, sh
     if has_norm:
         if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not eps >= 0:
             raise ValueError(f"eps must be a non-negative float, got {eps!r}")
-    named = {lead_name: lead, "branch": branch, "index": index, "weight": weight, **tables}
+    named = {lead_name: lead, "branch": branch, "index": index, "weight": weight, **tables,
+             **{f"{k}_bias": b for k, b in biases.items()}}
     for name, t in named.items():
         if t is not None and t.device != device:
             raise ValueError(f"{name} is on {t.device} but {lead_name} is on {device}")
     resolved = resolve_policy(policy, device)
-    rounding = rounding_for(resolved, dtype, tables["gate"].dtype if "gate" in tables else None,
-                            tables["shift"].dtype if "shift" in tables else None,
+    rounding = rounding_for(resolved, dtype, row_dtypes.get("gate"), row_dtypes.get("shift"),
                             norm_rounds_before_weight=norm_rounds_before_weight, upcast_tables=upcast_tables,
-                            norm_in_fp32=norm_in_fp32, layer_norm=norm == "layer")
+                            norm_in_fp32=norm_in_fp32, layer_norm=norm == "layer",
+                            row_sum=next(iter(row_dtypes.values())) if biases else None)
     return ModulationArgs(
         x=as_rows("x", x, hidden) if x is not None else None,
         residual=as_rows("residual", residual, hidden) if residual is not None else None,
@@ -264,5 +310,5 @@ def check_args(*, x=None, residual=None, branch=None, gate=None, weight=None, sh
         gate=tables.get("gate"), weight=weight, shift=tables.get("shift"), scale=tables.get("scale"),
         index=index.reshape(-1).contiguous() if index is not None else None, out_shape=shape, dtype=dtype,
         device=device, eps=float(eps), policy=resolved, rounding=rounding, has_norm=has_norm, norm=norm,
-        copies=copies,
+        copies=copies, gate_bias=biases.get("gate"), shift_bias=biases.get("shift"), scale_bias=biases.get("scale"),
     )

@@ -39,8 +39,10 @@ def register(public: PublicOp) -> None:
         ctx.save_for_backward(*saved.tensors())
         ctx.flags = saved.flags()
         lead = named.get("x", named.get("residual"))
-        ctx.unsupported = None if saved.index is not None else rows_without_fused_backward(saved.tables(),
-                                                                                             lead.dim())
+        biases = [name for name in input_names if name.endswith("_bias") and named.get(name) is not None]
+        ctx.unsupported = ("modulation rows given with biases (" + ", ".join(biases) + "): add them to the rows"
+                           if biases else None if saved.index is not None else
+                           rows_without_fused_backward(saved.tables(), lead.dim()))
 
     def backward(ctx, *grads):
         if ctx.unsupported:
@@ -67,7 +69,7 @@ def register(public: PublicOp) -> None:
         if passes_through:
             result["lead"] = incoming["u"]
         return tuple(result[_gradient_name(name)] if name != "index" and wanted[_gradient_name(name)] else None
-                     for name in input_names)
+                     for name in input_names[:len(ctx.needs_input_grad)])  # the inputs the call passed
 
     public.op.register_autograd(backward, setup_context=setup_context)
 

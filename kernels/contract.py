@@ -45,6 +45,10 @@ class Rounding:
     activation dtype (bf16/fp16) the stored residual is the exact sum rounded once to it
     (``reference.sum_rounded_once``); with an fp32 gate table, the sum rounded to fp32 and then to ``A``.
     The affine is an fp32 FMA, as the upstream fp32 kernels compile it.
+    row_sum: modulation rows given with an ``[H]`` row added to each (``rows + bias``, Wan's and LTX-Video's
+    ``scale_shift_table + temb`` per token) are the fp32 sum of the two rounded to their dtype ``S``, as the graph's
+    add rounds it, where ``S`` (both operands') is bf16 or fp16; else the fp32 sum, unrounded (its dtype's, where
+    ``S`` is fp32; ``fp32``: no rounding). The rows' dtype in the fields above is ``S``.
     norm_sum_order: the eager CUDA kernel whose order of the norm's fp32 sum of squares, and whose mean, the
     forward kernel reproduces, so that ``r`` is eager's bit for bit: ``SumOrder.FUSED_RMS_NORM`` for
     ``nn.RMSNorm`` and ``F.rms_norm`` (one rounding, ``norm_before_weight`` false); ``SumOrder.MEAN`` for the
@@ -85,26 +89,33 @@ class Rounding:
     fused_multiply_add: bool = False
     norm_sum_order: SumOrder = SumOrder.OWN
     input_gradient: bool = False
+    row_sum: bool = False
+
+
+LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
 def rounding_for(policy: str, activation: torch.dtype, gate_table: torch.dtype | None,
                  mod_table: torch.dtype | None, *, norm_rounds_before_weight: bool,
-                 upcast_tables: bool, norm_in_fp32: bool = False, layer_norm: bool = False) -> Rounding:
+                 upcast_tables: bool, norm_in_fp32: bool = False, layer_norm: bool = False,
+                 row_sum: torch.dtype | None = None) -> Rounding:
     """The rounding points of the eager graph under ``bf16``; only the stored ones under ``fp32``.
     ``norm_in_fp32``: the graph normalizes the activations upcast to fp32 and keeps the norm's output (and so
-    the affine) in fp32; ``layer_norm``: its norm is a LayerNorm."""
+    the affine) in fp32; ``layer_norm``: its norm is a LayerNorm; ``row_sum``: the dtype of the sum of given rows
+    and a row added to them (None without; ``gate_table`` and ``mod_table`` are then that dtype)."""
     if policy == "fp32":
         return Rounding(False, False, False, False, fused_multiply_add=True)
     sum_order = SumOrder.FUSED_LAYER_NORM if layer_norm else SumOrder.MEAN if norm_rounds_before_weight else SumOrder.FUSED_RMS_NORM
-    if activation in (torch.float32, torch.float64):  # nothing to round to
-        return Rounding(False, False, False, False, norm_sum_order=sum_order)
+    rounds_row_sum = row_sum in LOW_PRECISION
+    if activation in (torch.float32, torch.float64):  # nothing to round to but the rows' sum
+        return Rounding(False, False, False, False, norm_sum_order=sum_order, row_sum=rounds_row_sum)
 
     def low(table):
         return table is not None and table == activation and not upcast_tables
 
     return Rounding(gate_product=low(gate_table), norm_output=not norm_in_fp32,
                     norm_before_weight=norm_rounds_before_weight, affine=low(mod_table) and not norm_in_fp32,
-                    norm_sum_order=sum_order, input_gradient=True)
+                    norm_sum_order=sum_order, input_gradient=True, row_sum=rounds_row_sum)
 
 
 def compensated(gradient_of: torch.Tensor | None) -> bool:

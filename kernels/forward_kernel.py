@@ -3,6 +3,8 @@
 
 Per row ``t`` (``i = index[t]``, arithmetic in fp32 unless said below, ``R`` = round to the activation dtype):
 
+    rows:      gate[i], scale[i], shift[i]: gathered rows (GATHERED) or given ones; ROW_BIAS: given rows plus
+               an [H] row shared by all, summed in fp32 (R_S to their shared dtype S if ROUND_ROW_SUM)
     site B/C:  g = gate[i] * branch            (R if ROUND_GATE)
                u = R(residual + g)             -> stored (B, C; one FMA with the product if FUSE_MULTIPLY_ADD)
     site A:    u = x
@@ -117,10 +119,10 @@ def _chunk(c: tl.constexpr, row_ok, CHUNK: tl.constexpr, HIDDEN: tl.constexpr):
 
 @triton.jit
 def _new_residual(
-    x_ptr, res_ptr, branch_ptr, gate_ptr, u_ptr, rows, q, i, zero, start: tl.constexpr, lanes, mask,
+    x_ptr, res_ptr, branch_ptr, gate_ptr, gate_bias_ptr, u_ptr, rows, q, i, zero, start: tl.constexpr, lanes, mask,
     stride_x, stride_res, stride_branch, stride_gate, stride_gate_token,
     HIDDEN: tl.constexpr, HAS_GATE: tl.constexpr, ROUND_GATE: tl.constexpr, FUSE_MULTIPLY_ADD: tl.constexpr,
-    GATHERED: tl.constexpr, INTERPRETED: tl.constexpr,
+    GATHERED: tl.constexpr, ROW_BIAS: tl.constexpr, ROUND_ROW_SUM: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
     """One chunk of ``u`` in the activation dtype: the gated residual (sites B, C; stored by the caller), or
     the loaded ``x``. The gate's row is ``_table_chunk``'s ``(q, i)``; where the rows are given (not
@@ -134,7 +136,8 @@ def _new_residual(
                       cache_modifier=".cg")
         branch = tl.load(branch_ptr + rows[:, None] * stride_branch + start + lanes[None, :], mask=mask, other=0.0,
                          cache_modifier=".cg")
-        gate = _table_chunk(gate_ptr, q, i, start, lanes, mask, stride_gate, stride_gate_token, GATHERED)
+        gate = _table_chunk(gate_ptr, gate_bias_ptr, q, i, start, lanes, mask, stride_gate, stride_gate_token, HIDDEN,
+                            GATHERED, ROW_BIAS, ROUND_ROW_SUM, INTERPRETED)
         if not GATHERED:
             zero = (gate != gate).to(tl.int32)
         if FUSE_MULTIPLY_ADD and gate.dtype == act:
@@ -153,39 +156,52 @@ def _new_residual(
 
 
 @triton.jit
-def _weight_chunk(w_ptr, start: tl.constexpr, lanes, HIDDEN: tl.constexpr):
-    """The weight's chunk as a ``[1, CHUNK]`` row, in the layout of the activations (a 1-D load would be
-    converted through shared memory, with barriers, in every chunk)."""
-    return tl.load(w_ptr + start + lanes[None, :], mask=(lanes < HIDDEN - start)[None, :], other=0.0)
+def _shared_row_chunk(row_ptr, start: tl.constexpr, lanes, HIDDEN: tl.constexpr):
+    """A chunk of an ``[H]`` row every row reads (the norm's weight, a bias of the modulation rows) as a
+    ``[1, CHUNK]`` row, in the layout of the activations (a 1-D load would be converted through shared memory,
+    with barriers, in every chunk)."""
+    return tl.load(row_ptr + start + lanes[None, :], mask=(lanes < HIDDEN - start)[None, :], other=0.0)
 
 
 @triton.jit
-def _table_chunk(table_ptr, q, i, start: tl.constexpr, lanes, mask, stride, stride_token, GATHERED: tl.constexpr):
+def _table_chunk(table_ptr, bias_ptr, q, i, start: tl.constexpr, lanes, mask, stride, stride_token,
+                 HIDDEN: tl.constexpr, GATHERED: tl.constexpr, ROW_BIAS: tl.constexpr, ROUND_ROW_SUM: tl.constexpr,
+                 INTERPRETED: tl.constexpr):
     """Chunk ``start`` of each row's modulation row: row ``q`` (the index's entry) of a ``[K, H]`` table where
     ``GATHERED``, else token ``i`` of sample ``q`` of ``[B, T, H]`` rows (``stride``, ``stride_token``: their
-    strides, either maybe 0)."""
+    strides, either maybe 0). ``ROW_BIAS``: plus the ``[H]`` row at ``bias_ptr``, added in fp32 (exact operands)
+    and, ``ROUND_ROW_SUM``, rounded to the rows' dtype (which the bias then shares), as the graph's sum is;
+    else returned in fp32."""
     row = q[:, None] * stride if GATHERED else q[:, None] * stride + i[:, None] * stride_token
-    return tl.load(table_ptr + row + start + lanes[None, :], mask=mask, other=0.0)
+    rows = tl.load(table_ptr + row + start + lanes[None, :], mask=mask, other=0.0)
+    if ROW_BIAS:
+        total = widened(rows) + widened(_shared_row_chunk(bias_ptr, start, lanes, HIDDEN))
+        rows = rounded(total, rows.dtype, INTERPRETED).to(rows.dtype) if ROUND_ROW_SUM else total
+    return rows
 
 
 @triton.jit
-def _tables_chunk(w_ptr, shift_ptr, scale_ptr, q, i, c: tl.constexpr, row_ok, stride_shift, stride_scale,
-                  stride_shift_token, stride_scale_token, HIDDEN: tl.constexpr, CHUNK: tl.constexpr,
-                  HAS_WEIGHT: tl.constexpr, GATHERED: tl.constexpr):
+def _tables_chunk(w_ptr, shift_ptr, scale_ptr, shift_bias_ptr, scale_bias_ptr, q, i, c: tl.constexpr, row_ok,
+                  stride_shift, stride_scale, stride_shift_token, stride_scale_token, HIDDEN: tl.constexpr,
+                  CHUNK: tl.constexpr, HAS_WEIGHT: tl.constexpr, GATHERED: tl.constexpr, ROW_BIAS: tl.constexpr,
+                  ROUND_ROW_SUM: tl.constexpr, INTERPRETED: tl.constexpr):
     """Chunk ``c`` of the weight (0.0 without one), ``scale[i]`` and ``shift[i]``, for ``PRELOAD_TABLE_CHUNKS``."""
     lanes, mask = _chunk(c, row_ok, CHUNK, HIDDEN)
-    w = _weight_chunk(w_ptr, c * CHUNK, lanes, HIDDEN) if HAS_WEIGHT else 0.0
-    return (w, _table_chunk(scale_ptr, q, i, c * CHUNK, lanes, mask, stride_scale, stride_scale_token, GATHERED),
-            _table_chunk(shift_ptr, q, i, c * CHUNK, lanes, mask, stride_shift, stride_shift_token, GATHERED))
+    w = _shared_row_chunk(w_ptr, c * CHUNK, lanes, HIDDEN) if HAS_WEIGHT else 0.0
+    return (w, _table_chunk(scale_ptr, scale_bias_ptr, q, i, c * CHUNK, lanes, mask, stride_scale, stride_scale_token,
+                            HIDDEN, GATHERED, ROW_BIAS, ROUND_ROW_SUM, INTERPRETED),
+            _table_chunk(shift_ptr, shift_bias_ptr, q, i, c * CHUNK, lanes, mask, stride_shift, stride_shift_token,
+                         HIDDEN, GATHERED, ROW_BIAS, ROUND_ROW_SUM, INTERPRETED))
 
 
 @triton.jit
 def _modulated(
-    u, mean, r, w_ptr, shift_ptr, scale_ptr, y_ptr, q, i, zero, start: tl.constexpr, lanes, mask,
-    stride_shift, stride_scale, stride_shift_token, stride_scale_token, tables,
+    u, mean, r, w_ptr, shift_ptr, scale_ptr, shift_bias_ptr, scale_bias_ptr, y_ptr, q, i, zero, start: tl.constexpr,
+    lanes, mask, stride_shift, stride_scale, stride_shift_token, stride_scale_token, tables,
     HIDDEN: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_AFFINE: tl.constexpr, ROUND_NORM: tl.constexpr,
     ROUND_NORM_BEFORE_WEIGHT: tl.constexpr, ROUND_AFFINE: tl.constexpr, FUSE_MULTIPLY_ADD: tl.constexpr,
-    LAYER_NORM: tl.constexpr, GATHERED: tl.constexpr, INTERPRETED: tl.constexpr, PRELOAD_TABLE_CHUNKS: tl.constexpr,
+    LAYER_NORM: tl.constexpr, GATHERED: tl.constexpr, ROW_BIAS: tl.constexpr, ROUND_ROW_SUM: tl.constexpr,
+    INTERPRETED: tl.constexpr, PRELOAD_TABLE_CHUNKS: tl.constexpr,
 ):
     """One chunk of ``y = R(R(norm(u)) * R(1 + scale[i]) + shift[i])`` (roundings as the flags say), or without
     ``HAS_AFFINE`` of ``y = R(norm(u))``, returned in the activation dtype for the caller to store; the norm is
@@ -194,17 +210,19 @@ def _modulated(
     act: tl.constexpr = y_ptr.dtype.element_ty
     n = (u - mean[:, None]) * r[:, None] if LAYER_NORM else u * r[:, None]
     if HAS_WEIGHT:
-        w = tables[0] if PRELOAD_TABLE_CHUNKS else _weight_chunk(w_ptr, start, lanes, HIDDEN)
+        w = tables[0] if PRELOAD_TABLE_CHUNKS else _shared_row_chunk(w_ptr, start, lanes, HIDDEN)
         if ROUND_NORM_BEFORE_WEIGHT:
             n = rounded(n, act, INTERPRETED)
         n = n * widened(w)
     if ROUND_NORM:
         n = rounded(n, act, INTERPRETED)
     if HAS_AFFINE:  # an else, not an early return: Triton builds what follows a return in a static if
-        scale = tables[1] if PRELOAD_TABLE_CHUNKS else _table_chunk(scale_ptr, q, i, start, lanes, mask, stride_scale,
-                                                                    stride_scale_token, GATHERED)
-        shift = tables[2] if PRELOAD_TABLE_CHUNKS else _table_chunk(shift_ptr, q, i, start, lanes, mask, stride_shift,
-                                                                    stride_shift_token, GATHERED)
+        scale = tables[1] if PRELOAD_TABLE_CHUNKS else _table_chunk(
+            scale_ptr, scale_bias_ptr, q, i, start, lanes, mask, stride_scale, stride_scale_token, HIDDEN, GATHERED,
+            ROW_BIAS, ROUND_ROW_SUM, INTERPRETED)
+        shift = tables[2] if PRELOAD_TABLE_CHUNKS else _table_chunk(
+            shift_ptr, shift_bias_ptr, q, i, start, lanes, mask, stride_shift, stride_shift_token, HIDDEN, GATHERED,
+            ROW_BIAS, ROUND_ROW_SUM, INTERPRETED)
         if not GATHERED:  # the given rows: the zero from the scale row itself, element by element (``_new_residual``)
             zero = (scale != scale).to(tl.int32)
         if ROUND_AFFINE:  # a plain conversion: LLVM narrows the rounded affine to packed bf16 arithmetic
@@ -419,14 +437,15 @@ def _touch_table_rows(program, w_ptr, shift_ptr, scale_ptr, gate_ptr, num_table_
 
 @triton.jit(debug=True)
 def modulation_kernel(
-    x_ptr, res_ptr, branch_ptr, gate_ptr, w_ptr, shift_ptr, scale_ptr, idx_ptr, u_ptr, y_ptr,
+    x_ptr, res_ptr, branch_ptr, gate_ptr, w_ptr, shift_ptr, scale_ptr, idx_ptr, gate_bias_ptr, shift_bias_ptr,
+    scale_bias_ptr, u_ptr, y_ptr,
     n_rows, num_table_rows, tokens, eps,
     stride_x, stride_res, stride_branch, stride_gate, stride_shift, stride_scale,
     stride_gate_token, stride_shift_token, stride_scale_token,
     HIDDEN: tl.constexpr, HAS_GATE: tl.constexpr, HAS_NORM: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-    HAS_AFFINE: tl.constexpr, COPIES: tl.constexpr, GATHERED: tl.constexpr, LAYER_NORM: tl.constexpr,
-    ROUND_GATE: tl.constexpr, ROUND_NORM: tl.constexpr, ROUND_NORM_BEFORE_WEIGHT: tl.constexpr,
-    ROUND_AFFINE: tl.constexpr,
+    HAS_AFFINE: tl.constexpr, COPIES: tl.constexpr, GATHERED: tl.constexpr, ROW_BIAS: tl.constexpr,
+    LAYER_NORM: tl.constexpr, ROUND_GATE: tl.constexpr, ROUND_NORM: tl.constexpr,
+    ROUND_NORM_BEFORE_WEIGHT: tl.constexpr, ROUND_AFFINE: tl.constexpr, ROUND_ROW_SUM: tl.constexpr,
     FUSE_MULTIPLY_ADD: tl.constexpr, NORM_SUM_ORDER: tl.constexpr, INTERPRETED: tl.constexpr,
     BLOCK_T: tl.constexpr, CHUNK: tl.constexpr, PRELOAD_TABLE_CHUNKS: tl.constexpr, WARM_ROWS_AHEAD: tl.constexpr,
     WARM_TABLES_FIRST: tl.constexpr, WARMING_LANES: tl.constexpr,
@@ -465,9 +484,9 @@ def modulation_kernel(
         spread = tl.zeros([BLOCK_T, CHUNK // 4 if PER_THREAD else CHUNK], tl.float32)  # Welford's, per thread
         for c in tl.static_range(triton.cdiv(HIDDEN, CHUNK)):
             lanes, mask = _chunk(c, row_ok, CHUNK, HIDDEN)
-            u = _new_residual(x_ptr, res_ptr, branch_ptr, gate_ptr, u_ptr, rows, q, i, zero, c * CHUNK, lanes, mask,
-                              stride_x, stride_res, stride_branch, stride_gate, stride_gate_token, HIDDEN, HAS_GATE,
-                              ROUND_GATE, FUSE_MULTIPLY_ADD, GATHERED, INTERPRETED)
+            u = _new_residual(x_ptr, res_ptr, branch_ptr, gate_ptr, gate_bias_ptr, u_ptr, rows, q, i, zero, c * CHUNK,
+                              lanes, mask, stride_x, stride_res, stride_branch, stride_gate, stride_gate_token, HIDDEN,
+                              HAS_GATE, ROUND_GATE, FUSE_MULTIPLY_ADD, GATHERED, ROW_BIAS, ROUND_ROW_SUM, INTERPRETED)
             if HAS_NORM:
                 wide = widened(u)
                 if LAYER_NORM and NORM_SUM_ORDER == FUSED_LAYER_NORM_ORDER:  # running means, and spreads
@@ -483,8 +502,9 @@ def modulation_kernel(
             kept = kept + (u,)
         tables = (0.0, 0.0, 0.0)
         if HAS_NORM and PRELOAD_TABLE_CHUNKS and HAS_GATE:  # site B: arriving while the row is reduced (after the check: slower)
-            tables = _tables_chunk(w_ptr, shift_ptr, scale_ptr, q, i, 0, row_ok, stride_shift, stride_scale,
-                                   stride_shift_token, stride_scale_token, HIDDEN, CHUNK, HAS_WEIGHT, GATHERED)
+            tables = _tables_chunk(w_ptr, shift_ptr, scale_ptr, shift_bias_ptr, scale_bias_ptr, q, i, 0, row_ok,
+                                   stride_shift, stride_scale, stride_shift_token, stride_scale_token, HIDDEN, CHUNK,
+                                   HAS_WEIGHT, GATHERED, ROW_BIAS, ROUND_ROW_SUM, INTERPRETED)
         if HAS_GATE:  # after every chunk's loads: a store may alias them, so no load could move above it
             for c in tl.static_range(triton.cdiv(HIDDEN, CHUNK)):
                 lanes, mask = _chunk(c, row_ok, CHUNK, HIDDEN)
@@ -495,8 +515,9 @@ def modulation_kernel(
             tl.device_assert(~bad, "h3_fused: index out of range [0, K)")
         if HAS_NORM and PRELOAD_TABLE_CHUNKS and not HAS_GATE:  # site A: after the assertion, so that ptxas does not
             # compute their addresses, which wait for the index, before issuing the activation loads
-            tables = _tables_chunk(w_ptr, shift_ptr, scale_ptr, q, i, 0, row_ok, stride_shift, stride_scale,
-                                   stride_shift_token, stride_scale_token, HIDDEN, CHUNK, HAS_WEIGHT, GATHERED)
+            tables = _tables_chunk(w_ptr, shift_ptr, scale_ptr, shift_bias_ptr, scale_bias_ptr, q, i, 0, row_ok,
+                                   stride_shift, stride_scale, stride_shift_token, stride_scale_token, HIDDEN, CHUNK,
+                                   HAS_WEIGHT, GATHERED, ROW_BIAS, ROUND_ROW_SUM, INTERPRETED)
         if HAS_NORM:
             # fp32 constants and scalars (Inductor may pass eps as a constexpr float, which computes in fp64)
             inverse_h = tl.cast(1.0 / HIDDEN, tl.float32)
@@ -527,15 +548,16 @@ def modulation_kernel(
                 lanes, mask = _chunk(c, row_ok, CHUNK, HIDDEN)
                 current = tables
                 if PRELOAD_TABLE_CHUNKS and c + 1 < chunks:  # the next chunk's, before this chunk's store (which may alias them)
-                    tables = _tables_chunk(w_ptr, shift_ptr, scale_ptr, q, i, c + 1, row_ok, stride_shift,
-                                           stride_scale, stride_shift_token, stride_scale_token, HIDDEN, CHUNK,
-                                           HAS_WEIGHT, GATHERED)
+                    tables = _tables_chunk(w_ptr, shift_ptr, scale_ptr, shift_bias_ptr, scale_bias_ptr, q, i, c + 1,
+                                           row_ok, stride_shift, stride_scale, stride_shift_token, stride_scale_token,
+                                           HIDDEN, CHUNK, HAS_WEIGHT, GATHERED, ROW_BIAS, ROUND_ROW_SUM, INTERPRETED)
                 for copy in tl.static_range(COPIES):  # each modulation of the one norm (the preloaded: copy 0's)
-                    y = _modulated(widened(kept[c]), mean, r, w_ptr, shift_ptr, scale_ptr, y_ptr,
+                    y = _modulated(widened(kept[c]), mean, r, w_ptr, shift_ptr, scale_ptr, shift_bias_ptr,
+                                   scale_bias_ptr, y_ptr,
                                    q + copy * samples if copy > 0 else q, i, zero, c * CHUNK, lanes, mask,
                                    stride_shift, stride_scale, stride_shift_token, stride_scale_token, current,
                                    HIDDEN, HAS_WEIGHT, HAS_AFFINE, ROUND_NORM, ROUND_NORM_BEFORE_WEIGHT, ROUND_AFFINE,
-                                   FUSE_MULTIPLY_ADD, LAYER_NORM, GATHERED, INTERPRETED,
+                                   FUSE_MULTIPLY_ADD, LAYER_NORM, GATHERED, ROW_BIAS, ROUND_ROW_SUM, INTERPRETED,
                                    PRELOAD_TABLE_CHUNKS and copy == 0)
                     out_rows = rows + copy * (n_rows + 0 * program) if copy > 0 else rows
                     tl.store(y_ptr + out_rows[:, None] * HIDDEN + c * CHUNK + lanes[None, :], y, mask=mask)

@@ -157,7 +157,7 @@ class ForwardSpecialisation:
 
     The site: ``HIDDEN`` columns, a gate (sites B, C), a norm (A, B, a plain norm), its weight, an affine
     (A, B; a plain norm has none) and how many modulations of the norm it stores, its rows gathered by the index
-    or given, a LayerNorm or an RMSNorm. The rounding contract (``contract.Rounding``): ``ROUND_*``,
+    or given (maybe with biases), a LayerNorm or an RMSNorm. The rounding contract (``contract.Rounding``): ``ROUND_*``,
     ``FUSE_MULTIPLY_ADD``, and ``NORM_SUM_ORDER`` (a ``contract.SumOrder``'s value, as ``norm_sum_order``
     resolves it). ``INTERPRETED``: under Triton's interpreter. The ``LaunchConfig``: the rest."""
 
@@ -168,11 +168,13 @@ class ForwardSpecialisation:
     HAS_AFFINE: bool
     COPIES: int
     GATHERED: bool
+    ROW_BIAS: bool
     LAYER_NORM: bool
     ROUND_GATE: bool
     ROUND_NORM: bool
     ROUND_NORM_BEFORE_WEIGHT: bool
     ROUND_AFFINE: bool
+    ROUND_ROW_SUM: bool
     FUSE_MULTIPLY_ADD: bool
     NORM_SUM_ORDER: int
     INTERPRETED: bool
@@ -189,9 +191,10 @@ class ForwardSpecialisation:
         r = a.rounding
         return cls(
             HIDDEN=a.hidden, HAS_GATE=a.gate is not None, HAS_NORM=a.has_norm, HAS_WEIGHT=a.weight is not None,
-            HAS_AFFINE=a.has_affine, COPIES=a.modulations, GATHERED=a.gathered, LAYER_NORM=a.norm == "layer",
-            ROUND_GATE=r.gate_product, ROUND_NORM=r.norm_output, ROUND_NORM_BEFORE_WEIGHT=r.norm_before_weight,
-            ROUND_AFFINE=r.affine, FUSE_MULTIPLY_ADD=r.fused_multiply_add, NORM_SUM_ORDER=int(sum_order),
+            HAS_AFFINE=a.has_affine, COPIES=a.modulations, GATHERED=a.gathered, ROW_BIAS=a.row_bias,
+            LAYER_NORM=a.norm == "layer", ROUND_GATE=r.gate_product, ROUND_NORM=r.norm_output,
+            ROUND_NORM_BEFORE_WEIGHT=r.norm_before_weight, ROUND_AFFINE=r.affine,
+            ROUND_ROW_SUM=r.row_sum and a.row_bias, FUSE_MULTIPLY_ADD=r.fused_multiply_add, NORM_SUM_ORDER=int(sum_order),
             INTERPRETED=interpreting(),
             BLOCK_T=config.block_t, CHUNK=config.chunk,
             PRELOAD_TABLE_CHUNKS=config.preload_table_chunks and a.has_norm,  # no tables without a norm: one C build
@@ -200,7 +203,8 @@ class ForwardSpecialisation:
         )
 
 
-FORWARD_INPUTS = ("x", "residual", "branch", "gate", "weight", "shift", "scale", "index")  # the kernel's order
+FORWARD_INPUTS = ("x", "residual", "branch", "gate", "weight", "shift", "scale", "index", "gate_bias", "shift_bias",
+                  "scale_bias")  # the kernel's order
 
 
 @dataclass(frozen=True)

@@ -48,15 +48,21 @@ def sum_rounded_once(residual: torch.Tensor, gate_rows: torch.Tensor, branch: to
     return torch.where(torch.isfinite(s), odd, s.float()).to(dtype).to(f32)
 
 
-def rows_of(table: torch.Tensor, a: ModulationArgs, copies: bool = False) -> torch.Tensor:
+def rows_of(table: torch.Tensor, a: ModulationArgs, copies: bool = False, bias: torch.Tensor | None = None
+            ) -> torch.Tensor:
     """The ``[R, H]`` modulation rows of ``table`` for ``a``'s rows: gathered by the index, or the given rows
-    (``[B, T, H]``, broadcast) flattened; ``copies`` (``shift`` and ``scale`` of ``M`` copies): ``[M * R, H]``,
-    copy ``j``'s rows ``j * R`` on."""
+    (``[B, T, H]``, broadcast) flattened, plus their ``bias`` where given (``Rounding.row_sum``: the sum in the
+    compute dtype, rounded to the rows' dtype where it rounds); ``copies`` (``shift`` and ``scale`` of ``M``
+    copies): ``[M * R, H]``, copy ``j``'s rows ``j * R`` on."""
     if a.gathered and copies and a.copies is not None:
         return table.unflatten(0, (a.copies, -1)).index_select(1, a.index.long()).flatten(0, 1)
     if a.gathered:
         return table.index_select(0, a.index.long())
-    return table.reshape(-1, a.hidden)
+    rows = table.reshape(-1, a.hidden)
+    if bias is None:
+        return rows
+    total = rows.to(a.compute_dtype) + bias.to(a.compute_dtype)
+    return total.to(rows.dtype) if a.rounding.row_sum else total
 
 
 def gated_residual(a: ModulationArgs) -> torch.Tensor:
@@ -67,7 +73,7 @@ def gated_residual(a: ModulationArgs) -> torch.Tensor:
     dtype does; otherwise the fp32 product is added in fp32 and rounded, as eager does (for an fp32 gate
     table under ``fp32`` the kernel's fp32 FMA skips the rounding of the product: the sums can differ in
     fp32's last place, and so, rarely, the stored residuals)."""
-    gate_rows = rows_of(a.gate, a)
+    gate_rows = rows_of(a.gate, a, bias=a.gate_bias)
     if a.rounding.fused_multiply_add and gate_rows.dtype == a.dtype and a.dtype in (torch.bfloat16, torch.float16):
         return sum_rounded_once(a.residual, gate_rows, a.branch, a.dtype).to(a.dtype)
     c = a.compute_dtype
@@ -109,7 +115,8 @@ def modulate(n: torch.Tensor, a: ModulationArgs) -> torch.Tensor:
     FMA; this reference rounds the product to fp32 first, so the two can differ by a last-bit flip of the
     output, each within the policy. With copies of the rows, ``[M, R, H]``: each copy's modulation of ``n``, one
     expression a copy (stacked), so that a compiler computes them in one pass over ``n`` as eager's graph is."""
-    scale, shift = (rows_of(t, a, copies=True).to(n.dtype) for t in (a.scale, a.shift))
+    scale, shift = (rows_of(t, a, copies=True, bias=b).to(n.dtype)
+                    for t, b in ((a.scale, a.scale_bias), (a.shift, a.shift_bias)))
 
     def modulated(scale, shift):
         one_plus = _round(1.0 + scale, a.dtype, a.rounding.affine)

@@ -200,6 +200,7 @@ def minimal_bytes(site: str, tokens: int, hidden: int, itemsize: int = 2) -> int
 
 
 FAMILY_SOURCES = ("per_sample", "per_token", "one_for_all", "chosen")
+TABLE_PLUS_ROWS = "per_token_table"  # a source the fused ops take with biases: forward only (no backward for them)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,7 +210,10 @@ class FamilyForm:
     fp32 ``rsqrt`` of the mean of the squares, cast back); ``source``: modulation rows one per sample (``[B, 1, H]``
     chunks of one ``[B, 6H]`` projection), one per token (``[B, T, H]``), one for all (``[H]``), or chosen per token
     between two per sample by ``torch.where`` (Qwen-Image-Edit's ``zero_cond_t``: a ``[2B, 6H]`` projection, the
-    first B rows where the token's ``choice`` holds); ``in_fp32``: the rows fp32, the norm of the fp32 upcast with
+    first B rows where the token's ``choice`` holds), or (``TABLE_PLUS_ROWS``) one per token that is the sum of a
+    bf16 ``[B, T, 6H]`` projection and a ``[6H]`` table, as Wan 2.2 TI2V (an fp32 table plus the projection
+    upcast) and LTX-Video (both bf16) sum theirs, which the fused ops take as the projection's rows with the
+    table's as biases; ``in_fp32``: the rows fp32, the norm of the fp32 upcast with
     the affine and the gated residual in fp32, one cast (Wan); ``modulations``: how many times the one norm output
     is modulated (SD3.5's ``SD35AdaLayerNormZeroX``: twice; rows given, not chosen)."""
 
@@ -219,9 +223,9 @@ class FamilyForm:
     modulations: int = 1
 
     def __post_init__(self):
-        if self.modulations not in (1, 2) or (self.modulations > 1 and self.source == "chosen"):
-            raise ValueError(f"FamilyForm: modulations must be 1 or 2 (2 with rows given, not chosen), got "
-                             f"{self.modulations} with {self.source!r} rows")
+        if self.modulations not in (1, 2) or (self.modulations > 1 and self.source in ("chosen", TABLE_PLUS_ROWS)):
+            raise ValueError(f"FamilyForm: modulations must be 1 or 2 (2 with rows given, not chosen or summed with a "
+                             f"table), got {self.modulations} with {self.source!r} rows")
 
     def __str__(self) -> str:
         """The form in a test's or a printout's terms: ``norm-source``, ``-fp32`` where ``in_fp32``, ``-x2`` where
@@ -243,16 +247,20 @@ def family_modulation(form: FamilyForm, batch: int, tokens: int, hidden: int, *,
     """The modulation projection a model of ``form`` chunks its rows from, 0.3 times normal values: ``[B, 6H]``
     per sample, ``[B, T, 6H]`` per token, ``[6H]`` for all, ``[2B, 6H]`` for a choice; fp32 where ``in_fp32``, else
     bf16."""
-    shape = {"per_token": (batch, tokens), "one_for_all": (), "per_sample": (batch,), "chosen": (2 * batch,)}[
-        form.source]
-    dtype = torch.float32 if form.in_fp32 else torch.bfloat16
+    shape = {"per_token": (batch, tokens), "one_for_all": (), "per_sample": (batch,), "chosen": (2 * batch,),
+             TABLE_PLUS_ROWS: (batch, tokens)}[form.source]
+    dtype = torch.float32 if form.in_fp32 and form.source != TABLE_PLUS_ROWS else torch.bfloat16
     return (0.3 * torch.randn(*shape, 6 * hidden, generator=generator, device=device)).to(dtype)
 
 
-def _chunks(form: FamilyForm, modulation: torch.Tensor, choice: torch.Tensor | None, count: int) -> tuple:
+def _chunks(form: FamilyForm, modulation: torch.Tensor, choice: torch.Tensor | None, count: int,
+            table: torch.Tensor | None = None) -> tuple:
     """The first ``count`` of the projection's 6 chunks as a model of ``form`` uses them: viewed ``[:, None]`` per
     sample (broadcast over the tokens); chosen per token, ``torch.where(choice[..., None], first half, second
-    half)`` with a condition written once per row, as Qwen-Image writes it."""
+    half)`` with a condition written once per row, as Qwen-Image writes it; summed with the ``table`` first
+    (``TABLE_PLUS_ROWS``: the projection upcast where ``in_fp32``)."""
+    if form.source == TABLE_PLUS_ROWS:
+        return (table + (modulation.float() if form.in_fp32 else modulation)).chunk(6, -1)[:count]
     rows = modulation.chunk(6, -1)[:count]
     if form.source == "chosen":
         samples = modulation.shape[0] // 2
@@ -260,35 +268,53 @@ def _chunks(form: FamilyForm, modulation: torch.Tensor, choice: torch.Tensor | N
     return tuple(r[:, None] for r in rows) if form.source == "per_sample" else rows
 
 
-def family_rows(form: FamilyForm, modulation: torch.Tensor, choice: torch.Tensor | None = None) -> tuple:
+def family_rows(form: FamilyForm, modulation: torch.Tensor, choice: torch.Tensor | None = None,
+                table: torch.Tensor | None = None) -> tuple:
     """``(shift, scale, gate)`` as a model of ``form`` takes them from its projection (chunks 0, 1 and 2)."""
-    return _chunks(form, modulation, choice, 3)
+    return _chunks(form, modulation, choice, 3, table)
 
 
-def family_modulations(form: FamilyForm, modulation: torch.Tensor, choice: torch.Tensor | None = None) -> list:
+def family_modulations(form: FamilyForm, modulation: torch.Tensor, choice: torch.Tensor | None = None,
+                       table: torch.Tensor | None = None) -> list:
     """The ``(shift, scale)`` of each of ``form``'s modulations of its one norm output: chunks 0 and 1, then (a
     second modulation, as SD3.5's) chunks 3 and 4."""
-    rows = _chunks(form, modulation, choice, 5)
+    rows = _chunks(form, modulation, choice, 5, table)
     return [(rows[0], rows[1]), (rows[3], rows[4])][:form.modulations]
 
 
 def family_op_rows(form: FamilyForm, modulation: torch.Tensor, choice: torch.Tensor | None = None) -> tuple:
     """``(shift, scale)`` as the fused ops take them for ``form``: its one modulation's rows, or where modulated twice
-    the two modulations' rows as copies, stacked (``[2, B, 1, H]`` per sample)."""
+    the two modulations' rows as copies, stacked (``[2, B, 1, H]`` per sample); ``TABLE_PLUS_ROWS``: the projection's
+    rows, without the table (``family_op_biases``)."""
+    if form.source == TABLE_PLUS_ROWS:
+        return modulation.chunk(6, -1)[:2]
     pairs = family_modulations(form, modulation, choice)
     if form.modulations == 1:
         return pairs[0]
     return tuple(torch.stack([r.view((1,) * (3 - r.dim()) + tuple(r.shape)) for r in copies]) for copies in zip(*pairs))
 
 
+def family_op_biases(form: FamilyForm, table: torch.Tensor | None, names=("shift", "scale")) -> dict:
+    """The biases the fused ops take for ``form`` (``TABLE_PLUS_ROWS``: the table's chunks), keyed ``{name}_bias``
+    for each of ``names`` (of ``gate``, ``shift``, ``scale``: chunks 2, 0, 1); none for the other sources."""
+    if form.source != TABLE_PLUS_ROWS:
+        return {}
+    chunks = dict(zip(("shift", "scale", "gate"), table.chunk(6)))
+    return {f"{name}_bias": chunks[name] for name in names}
+
+
 def family_inputs(site: str, form: FamilyForm, batch: int, tokens: int, hidden: int, *, device="cuda",
                   seed: int = 0) -> dict:
     """The inputs of ``site`` in ``form``, keyed as ``family_eager_site`` and ``family_fused_site`` take them: bf16
     activations ``[batch, tokens, hidden]`` (``x`` for A, ``residual`` and ``branch`` for B and C) and the
-    ``modulation`` projection (``family_modulation``), which each site chunks as the model does."""
+    ``modulation`` projection (``family_modulation``), which each site chunks as the model does, and for
+    ``TABLE_PLUS_ROWS`` the ``table`` summed with it."""
     g = torch.Generator(device=device).manual_seed(seed)
     lead, branch = (torch.randn(batch, tokens, hidden, generator=g, device=device).to(torch.bfloat16) for _ in range(2))
     rows = dict(modulation=family_modulation(form, batch, tokens, hidden, device=device, generator=g))
+    if form.source == TABLE_PLUS_ROWS:
+        table = 0.3 * torch.randn(6 * hidden, generator=g, device=device)
+        rows["table"] = table if form.in_fp32 else table.to(torch.bfloat16)
     if form.source == "chosen":  # the first half of each sample's tokens one way, the rest the other
         rows["choice"] = (torch.arange(tokens, device=device) < tokens // 2).to(torch.int32).expand(batch, tokens)
     if site == "A":
@@ -309,24 +335,24 @@ def family_eager_site(site: str, form: FamilyForm, eps: float = 1e-6):
             return F.rms_norm(base, (base.shape[-1],), eps=eps)
         return (base * torch.rsqrt(base.float().pow(2).mean(-1, keepdim=True) + eps)).to(base.dtype)
 
-    def modulated(x, modulation, choice):
+    def modulated(x, modulation, choice, table):
         n = norm(x)
         return tuple((n * (1 + scale) + shift).type_as(x)
-                     for shift, scale in family_modulations(form, modulation, choice))
+                     for shift, scale in family_modulations(form, modulation, choice, table))
 
     def gated(residual, gate, branch):
         return (residual.float() + branch * gate).type_as(residual) if form.in_fp32 else residual + gate * branch
 
-    def a(x, modulation, choice=None):
-        ys = modulated(x, modulation, choice)
+    def a(x, modulation, choice=None, table=None):
+        ys = modulated(x, modulation, choice, table)
         return ys if form.modulations > 1 else ys[0]
 
-    def b(residual, branch, modulation, choice=None):
-        u = gated(residual, family_rows(form, modulation, choice)[2], branch)
-        return u, *modulated(u, modulation, choice)
+    def b(residual, branch, modulation, choice=None, table=None):
+        u = gated(residual, family_rows(form, modulation, choice, table)[2], branch)
+        return u, *modulated(u, modulation, choice, table)
 
-    def c(residual, branch, modulation, choice=None):
-        return gated(residual, family_rows(form, modulation, choice)[2], branch)
+    def c(residual, branch, modulation, choice=None, table=None):
+        return gated(residual, family_rows(form, modulation, choice, table)[2], branch)
 
     return {"A": a, "B": b, "C": c}[site]
 
@@ -348,17 +374,22 @@ def family_fused_site(site: str, form: FamilyForm, policy: str, eps: float = 1e-
     def outputs(y):
         return tuple(y.unbind(0)) if form.modulations > 1 else (y,)
 
-    def a(x, modulation, choice=None):
-        ys = outputs(norm_modulate(x, None, *rows(modulation, choice), None, **flags))
+    def gate_of(modulation, choice):
+        return (modulation.chunk(6, -1)[2] if form.source == TABLE_PLUS_ROWS else
+                family_rows(form, modulation, choice)[2])
+
+    def a(x, modulation, choice=None, table=None):
+        ys = outputs(norm_modulate(x, None, *rows(modulation, choice), None, **family_op_biases(form, table), **flags))
         return ys if form.modulations > 1 else ys[0]
 
-    def b(residual, branch, modulation, choice=None):
-        gate = family_rows(form, modulation, choice)[2]
-        u, y = gate_norm_modulate(residual, gate, branch, None, *rows(modulation, choice), None, **flags)
+    def b(residual, branch, modulation, choice=None, table=None):
+        u, y = gate_norm_modulate(residual, gate_of(modulation, choice), branch, None, *rows(modulation, choice), None,
+                                  **family_op_biases(form, table, ("gate", "shift", "scale")), **flags)
         return u, *outputs(y)
 
-    def c(residual, branch, modulation, choice=None):
-        return gate_residual(residual, family_rows(form, modulation, choice)[2], branch, None, policy=policy)
+    def c(residual, branch, modulation, choice=None, table=None):
+        return gate_residual(residual, gate_of(modulation, choice), branch, None,
+                             **family_op_biases(form, table, ("gate",)), policy=policy)
 
     return {"A": a, "B": b, "C": c}[site]
 
@@ -371,6 +402,8 @@ def family_backward_inputs(site: str, form: FamilyForm, batch: int, tokens: int,
     one row per token shared by the samples (``[1, T, H]``: an index whose order is not the rows')."""
     if shared_rows and form.modulations > 1:
         raise ValueError("family_backward_inputs: shared_rows takes a form modulated once")
+    if form.source == TABLE_PLUS_ROWS:
+        raise ValueError(f"family_backward_inputs: rows with biases ({TABLE_PLUS_ROWS}) have no backward")
 
     def lead_of(inputs):
         return inputs.get("x", inputs.get("residual"))
@@ -404,7 +437,7 @@ def family_minimal_bytes(site: str, form: FamilyForm, inputs: dict) -> int:
     rows = lead.numel() // lead.shape[-1]
     modulation = inputs["modulation"]
     extra = form.modulations - 1 if site != "C" else 0  # the further modulations' outputs and rows
-    per_token = 0 if form.source != "per_token" else ({"A": 2, "B": 3, "C": 1}[site] + 2 * extra) * (
+    per_token = 0 if form.source not in ("per_token", TABLE_PLUS_ROWS) else ({"A": 2, "B": 3, "C": 1}[site] + 2 * extra) * (
         modulation.numel() // 6 * modulation.element_size())
     return minimal_bytes(site, rows, lead.shape[-1], lead.element_size()) + extra * lead.numel() * \
         lead.element_size() + per_token

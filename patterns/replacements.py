@@ -35,6 +35,10 @@ def replacement_fn(site: Site, policy: str):
 
     def fn(*tensors):
         t = dict(zip(names, tensors))
+        hidden = t[site.kind.lead].shape[-1]
+        for name, (dim, start, length, bias_start) in site.row_views.items():  # rows with a bias: the sum's operands
+            t[name] = t[name].narrow(dim, start, length)
+            t[f"{name}_bias"] = t[f"{name}_bias"].reshape(-1).narrow(0, bias_start, hidden)
         t.update({name: t[name].reshape(shape) for name, shape in site.row_shapes.items()})
         lead = t[site.kind.lead]
         rows = lead.shape[:-1]  # one index per row: expanded over a batch the gathers broadcast over
@@ -53,14 +57,15 @@ def replacement_fn(site: Site, policy: str):
                 dims = 2 if site.gathered else lead.dim()
                 t[name] = torch.stack([c.view((1,) * (dims - c.dim()) + tuple(c.shape)) for c in copies])
         weight = t.get("weight")
+        biases = {k: t[k] for k in ("gate_bias", "shift_bias", "scale_bias") if k in t}  # none: the defaults
         if site.kind is SiteKind.NORM_MODULATE:
-            y = ops.norm_modulate(lead, weight, t["shift"], t["scale"], index, **norm_flags)
+            y = ops.norm_modulate(lead, weight, t["shift"], t["scale"], index, **biases, **norm_flags)
             return tuple(y.unbind(0)) if site.copies > 1 else (y,)
         if site.kind is SiteKind.GATE_NORM_MODULATE:
             u, y = ops.gate_norm_modulate(lead, t["gate"], t["branch"], weight, t["shift"], t["scale"], index,
-                                          **norm_flags)
+                                          **biases, **norm_flags)
             return (u, *y.unbind(0)) if site.copies > 1 else (u, y)
-        return (ops.gate_residual(lead, t["gate"], t["branch"], index, **flags),)
+        return (ops.gate_residual(lead, t["gate"], t["branch"], index, **biases, **flags),)
 
     return fn, [site.inputs[k] for k in names]
 

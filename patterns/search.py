@@ -63,11 +63,13 @@ def _ready_before_use(site: Site, position: dict[Node, int]) -> None:
 
 
 def find_sites(graph: Graph, refuse: Callable[[Node, NoMatch, str], None], note=lambda message: None,
-               unmergeable: Callable[[Site], str | None] = lambda site: None) -> list[Site]:
+               unmergeable: Callable[[Site], str | None] = lambda site: None, row_biases: bool = False) -> list[Site]:
     """The sites of ``graph`` in graph order of their matching: A (or B, merged), then the C not merged.
     ``refuse(node, why, kind)`` hears of every candidate that is not a site (``kind``: what it looked like);
     ``note`` of merges not made; ``unmergeable(site)``: why a merged site would not do where its two parts would
-    (in a graph that computes gradients, what the merged site's backward lacks), or None."""
+    (in a graph that computes gradients, what the merged site's backward lacks), or None; ``row_biases``: rows per
+    token from a sum with a row shared by all are taken as rows with a bias, so that the sum is never written
+    (``sites.match_rows``; the op has no backward for them: inference graphs only)."""
     a_sites: dict[Node, Site] = {}
     c_sites: dict[Node, Site] = {}
     copies: set[Node] = set()  # the outputs of a site's other modulations of its norm (matched with it)
@@ -80,7 +82,7 @@ def find_sites(graph: Graph, refuse: Callable[[Node, NoMatch, str], None], note=
         if matcher is None:
             continue
         try:
-            site = matcher(node)
+            site = matcher(node, row_biases)
         except NoMatch as why:
             refuse(node, why, kind)
             continue

@@ -80,7 +80,14 @@ class Rows:
     reshaped to ``shape``: ``[.., 1 or T, H]``, broadcasting to the activations), or chosen per token between two
     rows per sample, ``torch.where(choice, source, second)`` (``second`` and its ``second_shape`` as ``source``
     and ``shape``; the op gathers them from the two stacked, by an index computed from ``choice``). ``upcast``:
-    converted to fp32 where the site uses them."""
+    converted to fp32 where the site uses them.
+
+    Rows per token taken from a sum of rows and a row shared by all (``(table + temb).chunk(6, dim=2)``: Wan 2.2
+    TI2V, LTX-Video's per-token timesteps) may be matched (``match_rows``' ``row_biases``) as the rows with a bias:
+    ``source`` the rows before the sum, of which the op reads the ``view`` ``(dim, start, length, bias_start)``:
+    ``length`` elements from ``start`` along ``dim``, ``bias`` the shared row's tensor (read flat: ``H`` elements from
+    ``bias_start`` are added), and ``summed`` the same rows as the graph's sums, for a site that cannot take them
+    so (``_with_bias``)."""
 
     output: Node
     source: Node
@@ -91,10 +98,18 @@ class Rows:
     choice: Node | None = None
     second: Node | None = None
     second_shape: tuple | None = None
+    bias: Node | None = None
+    view: tuple[int, int, int, int] | None = None
+    summed: Rows | None = None
 
     @property
     def gathered(self) -> bool:
         return self.index is not None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the modulation rows before any conversion the site makes: the sum's, with a bias."""
+        return dtype_of((self.summed or self).source)
 
 
 def _is_split_member(node: object) -> bool:
@@ -102,11 +117,12 @@ def _is_split_member(node: object) -> bool:
     return is_op(node, (operator.getitem,)) and is_op(node.args[0], SPLITS)
 
 
-def match_rows(node: object, act_shape: tuple, shape: tuple | None = None) -> Rows:
+def match_rows(node: object, act_shape: tuple, shape: tuple | None = None, row_biases: bool = False) -> Rows:
     """The rows ``node`` reads for activations of ``act_shape``: a gather of table rows, or given rows that
     broadcast to them, one per sample, one per token (one of a group of modulation rows) or one for all.
     ``shape``: the rows' shape where the site broadcasts them, if a view after ``node`` gives it (``(1 +
-    scale)[:, None]``)."""
+    scale)[:, None]``). ``row_biases``: rows per token from a sum of rows and a row shared by all are the rows with a
+    bias where they can be (``_with_bias``)."""
     nodes = []
     top = node
     while is_op(top, CONVERT) or is_op(top, VIEW):
@@ -131,7 +147,79 @@ def match_rows(node: object, act_shape: tuple, shape: tuple | None = None) -> Ro
     dtype = dtype_of(top)
     expect(dtype in ACTIVATION_DTYPES, f"the rows are {dtype}")
     expect(dtype_of(node) in (dtype, f32), f"the rows are converted to {dtype_of(node)}")
-    return Rows(node, top, None, shape, dtype in LOW_PRECISION and dtype_of(node) == f32, nodes)
+    rows = Rows(node, top, None, shape, dtype in LOW_PRECISION and dtype_of(node) == f32, nodes)
+    return (_with_bias(rows, hidden) or rows) if row_biases and per_token else rows
+
+
+SHAPE_ONLY = (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.unsqueeze.default)
+
+
+def _exact_source(v: object) -> object:
+    """``v`` before exact conversions (to its own dtype, or of bf16/fp16 to fp32)."""
+    while is_op(v, CONVERT) and (dtype_of(v) == dtype_of(v.args[0]) or (
+            dtype_of(v) == f32 and dtype_of(v.args[0]) in LOW_PRECISION)):
+        v = v.args[0]
+    return v
+
+
+def _split_chunk(member: Node) -> tuple[int, int, int] | None:
+    """``(dim, start, length)``: the slice of its split's input a split member is, along ``dim`` (an unbind's:
+    length 1, the dim dropped), or None where the split's sizes are not known."""
+    split, j = member.args[0], member.args[1]
+    full = shape_of(split.args[0])
+    if split.target == aten.unbind.int:
+        dim = split.args[1] if len(split.args) > 1 else split.kwargs.get("dim", 0)
+        return dim % len(full), j, 1
+    dim = (split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)) % len(full)
+    sizes = split.args[1]
+    if isinstance(sizes, int):
+        return dim, j * sizes, sizes
+    return (dim, sum(sizes[:j]), sizes[j]) if all(isinstance(n, int) for n in sizes) else None
+
+
+def _with_bias(rows: Rows, hidden: int) -> Rows | None:
+    """``rows`` (per token, one slice of ``sum`` by a split) as rows with a bias, where ``sum = rows' + shared``, each
+    maybe converted exactly, the sum's dtype theirs promoted (the op adds them in that dtype), and the slice is one
+    row of ``H``: ``sum`` ``[..., n, H]`` split along another dim than ``H`` into its ``n`` rows (``rows'`` may be
+    ``[..., 1, H]``, one row for the ``n``), or ``[..., n * H]`` split along its last dim into chunks of ``H``.
+    ``shared`` broadcasts over every other dim and is only reshaped from its tensor, so that that tensor's elements
+    are ``sum``'s row in order: the bias is the slice of them at the same place. Else None: the rows stay the
+    graph's sums."""
+    chunk = _split_chunk(rows.source)
+    total = rows.source.args[0].args[0]
+    if chunk is None or not (is_op(total, ADD) and len(total.args) == 2 and not total.kwargs and
+                             all(isinstance(v, Node) for v in total.args)):
+        return None
+    dim, start, length = chunk
+    full = shape_of(total)
+    if full is None:
+        return None
+    last = dim == len(full) - 1
+    if not same_size(length, hidden if last else 1) or not (last or same_size(full[-1], hidden)):
+        return None
+    for given, shared in (total.args, total.args[::-1]):
+        given_shape, shared_shape = shape_of(given), shape_of(shared)
+        if given_shape is None or len(given_shape) != len(full) or not all(
+                same_size(g, n) or (k == dim and not last and same_size(g, 1))
+                for k, (g, n) in enumerate(zip(given_shape, full))):
+            continue
+        if shared_shape is None or len(shared_shape) > len(full):
+            continue
+        aligned = (1,) * (len(full) - len(shared_shape)) + tuple(shared_shape)
+        if not (same_size(aligned[dim], full[dim]) and same_size(aligned[-1], full[-1]) and all(
+                same_size(n, 1) for k, n in enumerate(aligned[:-1]) if k != dim)):
+            continue
+        source, bias = _exact_source(given), _exact_source(shared)
+        while is_op(bias, SHAPE_ONLY):
+            bias = _exact_source(bias.args[0])
+        if dtype_of(source) not in ACTIVATION_DTYPES or dtype_of(bias) not in ACTIVATION_DTYPES or \
+                shape_of(bias) is None or not same_size(_numel(shape_of(bias)), _numel(aligned)) or \
+                torch.promote_types(dtype_of(source), dtype_of(bias)) != dtype_of(total):
+            continue
+        given_start = start if same_size(given_shape[dim], full[dim]) else 0  # one row for all n: broadcast
+        return Rows(rows.output, source, None, rows.shape, rows.upcast, rows.nodes, bias=bias,
+                    view=(dim, given_start, length, start * (1 if last else hidden)), summed=rows)
+    return None
 
 
 def same_value(a: object, b: object, depth: int = 4) -> bool:
@@ -398,7 +486,7 @@ def _one_plus(v: object) -> tuple[object, list[Node]] | None:
     return (t, nodes + [v]) if is_scalar(one, 1.0) and isinstance(t, Node) else None
 
 
-def match_affine(y: object) -> Affine:
+def match_affine(y: object, row_biases: bool = False) -> Affine:
     act, top, nodes = _site_output(y)
     expect(not is_op(top, ADDCMUL), "`torch.addcmul(shift, n, 1 + scale)` (the product not rounded before the add) "
                                     "is not fused")
@@ -408,8 +496,8 @@ def match_affine(y: object) -> Affine:
     p, n = either_order(operands(q, MUL, "n * (1 + scale[t])"), lambda v: _one_plus(v) is not None, "`1 + scale[t]`")
     scale_rows, p_nodes = _one_plus(p)
     act_shape = shape_of(y)
-    shift = match_rows(shift_rows, act_shape)
-    scale = match_rows(scale_rows, act_shape, shape_of(p))  # as the product broadcasts them: `1 +` before a view
+    shift = match_rows(shift_rows, act_shape, row_biases=row_biases)
+    scale = match_rows(scale_rows, act_shape, shape_of(p), row_biases)  # as the product broadcasts them: `1 +` first
     expect({dtype_of(p), dtype_of(q), compute} == {compute}, "the modulation mixes dtypes between its steps")
     expect(compute in (act, f32), f"the modulation computes in {compute}")
     return Affine(y, n, shift, scale, compute, nodes + [top, q] + p_nodes)
@@ -434,7 +522,7 @@ def _exact(v: object, act: torch.dtype) -> tuple[object, list[Node]]:
     return v, []
 
 
-def match_gated(u: object) -> Gated:
+def match_gated(u: object, row_biases: bool = False) -> Gated:
     act, top, nodes = _site_output(u)
     expect(not is_op(top, ADDCMUL), "`torch.addcmul(residual, gate, branch)` (the product not rounded before the "
                                     "add) is not fused")
@@ -459,7 +547,7 @@ def match_gated(u: object) -> Gated:
     expect(gated_product(prod), "no `gate[t] * branch` term")
     first, second = operands(prod, MUL, "gate[t] * branch")
     gate_rows, branch = (first, second) if gate_rank(first) >= gate_rank(second) else (second, first)
-    gate = match_rows(gate_rows, act_shape)
+    gate = match_rows(gate_rows, act_shape, row_biases=row_biases)
     residual_source = strip_views(strip_converts(res))
     expect(not (is_op(residual_source, GATHER) or _is_split_member(residual_source)),
            "the residual is itself modulation rows (a gather, or one of a split of rows), not a residual stream")
@@ -573,6 +661,9 @@ class Site:
     row_shapes: dict[str, tuple] = field(default_factory=dict)
     # modulations of the one norm: ``y`` and ``shift``/``scale``, then ``y`` of ``shift_j``/``scale_j`` for j >= 1
     copies: int = 1
+    # rows with a bias (inputs ``{name}_bias``): ``(dim, start, length, bias_start)``, the slice of the input ``name``
+    # they are and where the bias input's row added to them starts (``Rows.view``)
+    row_views: dict[str, tuple[int, int, int, int]] = field(default_factory=dict)
 
     @property
     def lead(self) -> Node:
@@ -586,6 +677,8 @@ class Site:
         """What of this site the fused backward does not cover (``kernels.autograd``), or None: it restates rows
         given without an index as tables gathered by one index, which rows that broadcast differently (a gate
         per sample beside shift and scale per token, where a gated residual and its norm merge) do not share."""
+        if self.row_views:
+            return "modulation rows given with biases (" + ", ".join(f"{name}_bias" for name in self.row_views) + ")"
         if self.gathered or self.inputs.get("choice") is not None:
             return None
         rank = len(shape_of(self.lead) or ())
@@ -600,7 +693,7 @@ def _upcast(tables: list[Rows], compute: torch.dtype) -> bool:
     flags = {g.upcast for g in tables}
     expect(len(flags) == 1, "some of its tables are upcast to fp32 and others are not")
     upcast = flags.pop()
-    expect(upcast == (compute == f32 and dtype_of(tables[0].source) in LOW_PRECISION),
+    expect(upcast == (compute == f32 and tables[0].dtype in LOW_PRECISION),
            "the tables' upcast and the dtype of the modulation disagree")
     return upcast
 
@@ -611,15 +704,28 @@ def _rows_interior(tables: list[Rows]) -> list[Node]:
     return [n for g in tables for n in (g.nodes[:-1] if g.gathered else g.nodes)]
 
 
+def _one_form(tables: dict[str, Rows], biases_allowed: bool = True) -> dict[str, Rows]:
+    """A site's rows all with their biases, or (where some have none, or ``biases_allowed`` is false) all as the
+    graph's sums: the op takes a bias for every row or for none."""
+    if biases_allowed and all(rows.bias is not None for rows in tables.values()):
+        return tables
+    return {name: rows.summed or rows for name, rows in tables.items()}
+
+
 def _row_shapes(**tables: Rows) -> dict[str, tuple]:
     return {name: rows.shape for name, rows in tables.items() if not rows.gathered} | {
         f"{name}_second": rows.second_shape for name, rows in tables.items() if rows.choice is not None}
 
 
+def _row_views(**tables: Rows) -> dict[str, tuple[int, int, int, int]]:
+    return {name: rows.view for name, rows in tables.items() if rows.bias is not None}
+
+
 def _row_inputs(**tables: Rows) -> dict[str, Node | None]:
-    """The inputs the rows of a site add to its op's: each table's source (and where the rows are chosen per token,
-    the second rows and the condition, ``choice``), and the index."""
+    """The inputs the rows of a site add to its op's: each table's source (and its bias, where it has one; where
+    the rows are chosen per token, the second rows and the condition, ``choice``), and the index."""
     inputs = {name: rows.source for name, rows in tables.items()}
+    inputs |= {f"{name}_bias": rows.bias for name, rows in tables.items() if rows.bias is not None}
     first = next(iter(tables.values()))
     if first.choice is not None:
         inputs |= {f"{name}_second": rows.second for name, rows in tables.items()} | {"choice": first.choice}
@@ -668,49 +774,53 @@ def _check_copies(affines: list[Affine]) -> None:
         for name in ("shift", "scale"):
             ours, theirs = getattr(first, name), getattr(other, name)
             shapes = (shape_of(ours.source), shape_of(theirs.source)) if ours.gathered else (ours.shape, theirs.shape)
-            expect(same_shape(*shapes) and dtype_of(ours.source) == dtype_of(theirs.source),
+            expect(same_shape(*shapes) and ours.dtype == theirs.dtype,
                    f"the norm's modulations read {name} rows of different shapes or dtypes "
-                   f"({shapes[0]} {dtype_of(ours.source)}, {shapes[1]} {dtype_of(theirs.source)})")
+                   f"({shapes[0]} {ours.dtype}, {shapes[1]} {theirs.dtype})")
         expect(other.compute == first.compute, "the norm's modulations compute in different dtypes")
 
 
-def norm_modulate_site(y: Node) -> Site:
+def norm_modulate_site(y: Node, row_biases: bool = False) -> Site:
     """Site A from its output ``y``, with every other modulation of the same norm output as copies (``Site.copies``;
-    outputs ``y`` first, then the others)."""
-    aff = match_affine(y)
+    outputs ``y`` first, then the others). ``row_biases``: as ``match_rows``'."""
+    aff = match_affine(y, row_biases)
     act = dtype_of(y)
     hidden = shape_of(y)[-1]
     norm = match_norm(aff.n, act, hidden)
     affines = [aff, *_other_modulations(aff)]
     if len(affines) > 1:
         _check_copies(affines)
-    tables = [rows for a in affines for rows in (a.scale, a.shift)]
+    rows = _one_form({f"{name}{f'_{j}' if j else ''}": getattr(a, name) for j, a in enumerate(affines)
+                      for name in ("shift", "scale")}, biases_allowed=len(affines) == 1)
+    tables = list(rows.values())
+    scale = rows["scale"]
     expect(same_shape(shape_of(norm.x), shape_of(y)), "the output's shape is not the norm input's (a broadcast)")
     upcast = _upcast(tables, aff.compute) if aff.compute != act else False
-    expect(aff.compute == act or upcast or dtype_of(aff.scale.source) == f32,
-           f"the modulation computes in {aff.compute} with {dtype_of(aff.scale.source)} tables")
-    expect(not norm.in_fp32 or (aff.compute == f32 and (dtype_of(aff.scale.source) == f32 or aff.scale.upcast)),
+    expect(aff.compute == act or upcast or scale.dtype == f32,
+           f"the modulation computes in {aff.compute} with {scale.dtype} tables")
+    expect(not norm.in_fp32 or (aff.compute == f32 and (scale.dtype == f32 or scale.upcast)),
            "a norm computed in fp32 modulated by rows in the activation dtype is not fused")
     outputs = [a.y for a in affines]
     interior = [n for a in affines for n in a.nodes] + norm.nodes + _rows_interior(tables)
     interior = [n for n in interior if n not in outputs]
     broadcast = check_site(outputs, tables, norm.x, interior)
-    rows = {f"{name}{f'_{j}' if j else ''}": getattr(a, name) for j, a in enumerate(affines)
-            for name in ("shift", "scale")}
     return Site(SiteKind.NORM_MODULATE, outputs, dict(x=norm.x, weight=norm.weight, **_row_inputs(**rows)),
                 norm.eps, norm.rounds_before_weight, upcast, interior, broadcast, norm.kind, norm.in_fp32,
-                _row_shapes(**rows), copies=len(affines))
+                _row_shapes(**rows), copies=len(affines), row_views=_row_views(**rows))
 
 
-def gate_residual_site(u: Node) -> Site:
-    gated = match_gated(u)
+def gate_residual_site(u: Node, row_biases: bool = False) -> Site:
+    """Site C from its output ``u``. ``row_biases``: as ``match_rows``'."""
+    gated = match_gated(u, row_biases)
     act = dtype_of(u)
-    upcast = _upcast([gated.gate], gated.product) if gated.product != act else False
-    interior = [n for n in gated.nodes + _rows_interior([gated.gate]) if n is not u]
-    broadcast = check_site([u], [gated.gate], u, interior)
+    gate = gated.gate
+    upcast = _upcast([gate], gated.product) if gated.product != act else False
+    interior = [n for n in gated.nodes + _rows_interior([gate]) if n is not u]
+    broadcast = check_site([u], [gate], u, interior)
     return Site(SiteKind.GATE_RESIDUAL, [u], dict(residual=gated.residual, branch=gated.branch,
-                                                  **_row_inputs(gate=gated.gate)),
-                0.0, False, upcast, interior, broadcast, row_shapes=_row_shapes(gate=gated.gate))
+                                                  **_row_inputs(gate=gate)),
+                0.0, False, upcast, interior, broadcast, row_shapes=_row_shapes(gate=gate),
+                row_views=_row_views(gate=gate))
 
 
 def merge_gate_and_norm(c: Site, a: Site) -> Site:
@@ -721,6 +831,8 @@ def merge_gate_and_norm(c: Site, a: Site) -> Site:
     expect(same_value(a.inputs.get("choice"), c.inputs.get("choice")),
            "the gate and the modulation are chosen per token by different conditions, or one of them is not")
     expect(a.upcast_tables == c.upcast_tables, "the gate and the modulation tables differ in upcasting")
+    expect(bool(a.row_views) == bool(c.row_views), "the gate's rows come with a bias and the modulation's without, or "
+                                                   "the reverse")
     if c.gathered:
         expect(same_size(shape_of(c.inputs["gate"])[0], shape_of(a.inputs["shift"])[0]),
                "gate and modulation tables differ in K")
@@ -730,7 +842,7 @@ def merge_gate_and_norm(c: Site, a: Site) -> Site:
     check_interior(interior, set(interior) | {u, *a.outputs})
     return Site(SiteKind.GATE_NORM_MODULATE, [u, *a.outputs], inputs, a.eps, a.norm_rounds_before_weight,
                 a.upcast_tables, interior, c.index_broadcast, a.norm, a.norm_in_fp32, c.row_shapes | a.row_shapes,
-                a.copies)
+                a.copies, c.row_views | a.row_views)
 
 
 def _anchor_top(node: Node) -> object:

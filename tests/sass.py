@@ -33,7 +33,8 @@ from h3_fused.kernels.testing import (
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-POINTERS = ("x_ptr", "res_ptr", "branch_ptr", "gate_ptr", "w_ptr", "shift_ptr", "scale_ptr", "u_ptr", "y_ptr")
+POINTERS = ("x_ptr", "res_ptr", "branch_ptr", "gate_ptr", "w_ptr", "shift_ptr", "scale_ptr", "gate_bias_ptr",
+            "shift_bias_ptr", "scale_bias_ptr", "u_ptr", "y_ptr")
 SCALARS = dict(n_rows="i32", num_table_rows="i32", tokens="i32", eps="fp32", stride_x="i32", stride_res="i32",
                stride_branch="i32", stride_gate="i32", stride_shift="i32", stride_scale="i32",
                stride_gate_token="i32", stride_shift_token="i32", stride_scale_token="i32")

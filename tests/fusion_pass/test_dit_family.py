@@ -11,7 +11,7 @@ By blocks: one compiled graph per block class (and per signature), whose sites a
 import pytest
 import torch
 from dit_family import MODELS, compare
-from h3_fused.kernels.testing import FamilyForm, family_eager_site, family_inputs
+from h3_fused.kernels.testing import TABLE_PLUS_ROWS, FamilyForm, family_eager_site, family_inputs
 from helpers import inductor_matches_eager_on_cpu
 from torch._dynamo.utils import counters
 
@@ -73,20 +73,32 @@ def test_the_fp32_policy_fuses_the_same_sites_within_its_bound(name):
 
 
 @pytest.mark.usefixtures("fresh_compile")
-# Wan's form, Qwen-Image-Edit's rows chosen per token and SD3.5's twice-modulated norm (the benchmark's other forms:
-# the differential family test's draws)
-@pytest.mark.parametrize("form", [FamilyForm("layer", "per_sample", True), FamilyForm("rms", "chosen"),
+# Wan's form, Wan 2.2 TI2V's and LTX-Video's rows per token summed with a table, Qwen-Image-Edit's rows chosen per
+# token and SD3.5's twice-modulated norm (the benchmark's other forms: the differential family test's draws)
+@pytest.mark.parametrize("form", [FamilyForm("layer", "per_sample", True), FamilyForm("layer", TABLE_PLUS_ROWS, True),
+                                  FamilyForm("diffusers_rms", TABLE_PLUS_ROWS), FamilyForm("rms", "chosen"),
                                   FamilyForm("layer", "per_sample", modulations=2)], ids=str)
-def test_each_site_of_the_benchmarks_forms_is_one_fused_site(form):
+def test_each_site_of_the_benchmarks_forms_is_one_fused_site(form, monkeypatch):
     """The sites ``benchmarks/bench_family.py`` times (``h3_fused.kernels.testing``'s family forms, rows chunked from
-    a projection as the models do), compiled with h3_fused: each is one site of its op, computing eager's output."""
+    a projection as the models do), compiled with h3_fused: each is one site of its op, computing eager's output;
+    rows summed with a table are read as the projection's rows with the table's as biases (the sums never
+    written)."""
+    import h3_fused.patterns.replacements as replacements
+
+    views = []
+    replace = replacements.replacement_fn
+    monkeypatch.setattr(replacements, "replacement_fn",
+                        lambda site, policy: views.append(set(site.row_views)) or replace(site, policy))
     for site, op in zip("ABC", ("norm_modulate", "gate_norm_modulate", "gate_residual")):
         counters.clear()
         torch._dynamo.reset()
+        views.clear()
         inputs = family_inputs(site, form, 2, 9, 64, device="cpu")
         eager = family_eager_site(site, form)
         got = torch.compile(eager, backend="h3_fused", options={"dtype_policy": "bf16"})(**inputs)
         assert dict(counters["h3_fused"]) == {op: 1}, (site, dict(counters["h3_fused"]))
+        biased = {"A": {"shift", "scale"}, "B": {"gate", "shift", "scale"}, "C": {"gate"}}[site]
+        assert views == [biased if form.source == TABLE_PLUS_ROWS else set()], (site, views)
         tolerance = dict(rtol=0, atol=0) if inductor_matches_eager_on_cpu() else dict(rtol=2 ** -6, atol=2 ** -6)
         expected = eager(**inputs)
         for g, e in zip(*((got, expected) if isinstance(got, tuple) else ((got,), (expected,))), strict=True):

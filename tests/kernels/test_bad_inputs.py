@@ -98,6 +98,33 @@ def test_bad_given_rows_are_refused_with_the_argument_named(name, device):
                            norm="layer")
 
 
+BIASES_REFUSED = {  # name: (biases by row name, with an index, error, message)
+    "a bias of another width": (dict(gate=32, shift=64, scale=64), False, ValueError,
+                                r"gate_bias must have shape \[H=64\], got \(32,\)"),
+    "a bias for some rows only": (dict(shift=64, scale=64), False, ValueError,
+                                  "every modulation row takes a bias or none: got shift_bias, scale_bias"),
+    "biases with an index": (dict(gate=64, shift=64, scale=64), True, ValueError,
+                             "row biases .* add to rows given without an index"),
+    "an integer bias": (dict(gate=64, shift=64, scale=torch.int32), False, TypeError, "scale_bias must have dtype"),
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", list(BIASES_REFUSED))
+def test_bad_row_biases_are_refused_with_the_argument_named(name, device):
+    biases, gathered, error, message = BIASES_REFUSED[name]
+    t = given(device, gate=(2, 8, 64), shift=(2, 8, 64), scale=(2, 8, 64))
+    made = {f"{k}_bias": torch.zeros(64, dtype=v, device=device) if isinstance(v, torch.dtype) else
+            torch.zeros(v, dtype=bf16, device=device) for k, v in biases.items()}
+    index = None
+    if gathered:
+        t.update({k: t[k][0] for k in ("gate", "shift", "scale")})  # [8, 64] tables
+        index = torch.zeros(2, 8, dtype=torch.long, device=device)
+    with pytest.raises(error, match=message):
+        gate_norm_modulate(t["residual"], t["gate"], t["branch"], None, t["shift"], t["scale"], index, policy="bf16",
+                           **made)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_given_rows_of_two_dtypes_and_an_unknown_norm_are_refused(device):
     t = given(device)

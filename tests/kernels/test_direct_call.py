@@ -258,10 +258,11 @@ def test_a_compiled_launch_passes_every_kernel_argument_in_the_kernels_order():
     (args,) = calls
     assert args[:9] == (plan.launch.grid[0], 1, 1, 7, "f", "m", None, None, None)
     by_name = dict(zip(modulation_kernel.arg_names, args[9:], strict=True))
-    assert [by_name[name] for name in modulation_kernel.arg_names[:8]] == [
+    assert [by_name[name] for name in modulation_kernel.arg_names[:len(plan.slots)]] == [
         placeholder if t is None else t for t in inputs]
     assert placeholder.numel() == 0 and {n for n, slot in zip(modulation_kernel.arg_names, plan.slots)
-                                          if slot is None} == {"res_ptr", "branch_ptr", "gate_ptr"}
+                                          if slot is None} == {"res_ptr", "branch_ptr", "gate_ptr", "gate_bias_ptr",
+                                                               "shift_bias_ptr", "scale_bias_ptr"}
     assert by_name["u_ptr"] is y and by_name["y_ptr"] is y
     assert all(by_name[name] == value for name, value in constexprs(plan.launch.spec).items())
     assert plan.launch.bind(SimpleNamespace()) is None

@@ -1,5 +1,5 @@
 """The DiT family's site forms on CUDA: modulation rows given without an index (per sample, per token, one for
-all, chosen per token between two), a LayerNorm or an RMSNorm in each public spelling, the norm of the fp32 upcast
+all, chosen per token between two, per token summed with a table: the rows with biases), a LayerNorm or an RMSNorm in each public spelling, the norm of the fp32 upcast
 with fp32 rows, against eager's spelling of each site (``h3_fused.kernels.testing.family_eager_site``),
 ``torch.equal``: the norms' statistics in the order of eager's RMSNorm, mean and LayerNorm CUDA kernels. The ops
 called directly, and the eager sites compiled with the backend (one fused op each)."""
@@ -8,14 +8,24 @@ import dataclasses
 
 import pytest
 import torch
-from h3_fused.kernels.testing import FAMILY_FORMS, family_eager_site, family_fused_site, family_inputs
+from h3_fused.kernels.testing import (
+    FAMILY_FORMS,
+    TABLE_PLUS_ROWS,
+    FamilyForm,
+    family_eager_site,
+    family_fused_site,
+    family_inputs,
+)
 from torch._dynamo.utils import counters
 
 pytestmark = pytest.mark.gpu
 
+# Wan 2.2 TI2V's rows (an fp32 table plus the bf16 projection upcast) and LTX-Video's per-token ones (both bf16)
+FORWARD_FORMS = FAMILY_FORMS + (FamilyForm("layer", TABLE_PLUS_ROWS, True), FamilyForm("diffusers_rms", TABLE_PLUS_ROWS))
+
 
 @pytest.mark.parametrize("hidden", [3072, 5120])
-@pytest.mark.parametrize("form", FAMILY_FORMS, ids=str)
+@pytest.mark.parametrize("form", FORWARD_FORMS, ids=str)
 def test_every_site_of_each_form_is_eagers(hidden, form):
     for site in ("A", "B", "C"):
         inputs = family_inputs(site, form, 2, 2048, hidden, seed=hidden)
@@ -41,7 +51,7 @@ FUSED = {  # what a site compiles to: site B one op, or two where the rows come 
 
 
 @pytest.mark.usefixtures("fresh_compile")
-@pytest.mark.parametrize("form", FAMILY_FORMS, ids=str)
+@pytest.mark.parametrize("form", FORWARD_FORMS, ids=str)
 def test_every_site_of_each_form_compiled_with_the_backend_is_eagers(form):
     for site in "ABC":
         counters.clear()

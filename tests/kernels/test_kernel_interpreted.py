@@ -134,6 +134,35 @@ def test_rows_given_without_an_index_match_the_reference(source, norm, policy, i
                        reference(residual=x, branch=br, gate=gate, policy=policy)[0])
 
 
+@pytest.mark.parametrize("rows_dtype, bias_dtype", [(bf16, torch.float32), (bf16, bf16), (torch.float16, bf16)],
+                         ids=["wan_fp32_sum", "ltx_bf16_sum", "mixed_fp32_sum"])
+@pytest.mark.parametrize("norm", ["rms", "layer"])
+@pytest.mark.parametrize("policy", ["bf16", "fp32"])
+def test_rows_given_with_biases_match_the_reference(rows_dtype, bias_dtype, norm, policy):
+    """Rows per token plus an ``[H]`` row each (Wan 2.2 TI2V's ``scale_shift_table + temb``, fp32; LTX-Video's,
+    bf16, whose sum rounds to bf16 under ``bf16``): every site's kernel against the reference, which adds them as
+    the graph does (and so against the sums given as rows)."""
+    batch, tokens, hidden = 2, 9, 96
+    g = torch.Generator().manual_seed(3)
+    x, br = (torch.randn(batch, tokens, hidden, generator=g).to(bf16) for _ in range(2))
+    shift, scale, gate = given_rows("per_token", batch, tokens, hidden, rows_dtype)
+    bias = (0.3 * torch.randn(3, hidden, generator=g)).to(bias_dtype)
+    in_fp32 = torch.promote_types(rows_dtype, bias_dtype) == torch.float32
+    kw = dict(eps=1e-6, policy=policy, norm=norm, norm_in_fp32=in_fp32)
+    biases = dict(shift_bias=bias[0], scale_bias=bias[1])
+    u, y = gate_norm_modulate(x, gate, br, None, shift, scale, None, gate_bias=bias[2], **biases, **kw)
+    ur, yr = reference(residual=x, branch=br, gate=gate, shift=shift, scale=scale, gate_bias=bias[2], **biases, **kw)
+    assert torch.equal(u, ur)
+    same_but_for_sum_order(y, yr)
+    if policy == "bf16":  # the sums as the graph computes them, given as rows: the same bits
+        summed = {name: rows + b for name, rows, b in (("shift", shift, bias[0]), ("scale", scale, bias[1]))}
+        same_but_for_sum_order(y, reference(residual=x, branch=br, gate=gate + bias[2], **summed, **kw)[1])
+    same_but_for_sum_order(norm_modulate(x, None, shift, scale, None, **biases, **kw),
+                           reference(x=x, shift=shift, scale=scale, **biases, **kw)[1])
+    assert torch.equal(gate_residual(x, gate, br, None, bias[2], policy=policy),
+                       reference(residual=x, branch=br, gate=gate, gate_bias=bias[2], policy=policy)[0])
+
+
 @pytest.mark.parametrize("source", ["per_sample_view", "per_token", "one_for_all"])
 @pytest.mark.parametrize("norm", ["rms", "layer"])
 @pytest.mark.parametrize("policy", ["bf16", "fp32"])

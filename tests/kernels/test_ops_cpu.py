@@ -157,6 +157,30 @@ def test_opcheck_on_cpu_with_copies_of_the_rows(rows):
     torch.library.opcheck(ops.gate_norm_modulate.default, (x, gate, branch, None, shift, scale, index), kw)
 
 
+@pytest.mark.parametrize("rows_dtype, bias_dtype", [(bf16, torch.float32), (bf16, bf16)], ids=["wan", "ltx"])
+def test_rows_with_biases_are_eagers_sums_and_take_no_gradient(rows_dtype, bias_dtype):
+    """Rows per token plus an ``[H]`` bias each, as Wan 2.2 TI2V (an fp32 table plus the bf16 projection upcast) and
+    LTX-Video (both bf16: the sum rounds to bf16) sum them: under ``bf16`` the sums given as rows, bit for bit;
+    ``opcheck`` (no gradient wanted); a gradient through the biased op is refused by name."""
+    g = torch.Generator().manual_seed(0)
+    x, branch = (torch.randn(2, 5, 64, generator=g).to(bf16) for _ in range(2))
+    temb = (0.3 * torch.randn(2, 5, 6, 64, generator=g)).to(rows_dtype)
+    table = (0.3 * torch.randn(6, 64, generator=g)).to(bias_dtype)
+    gate, shift, scale = (temb[:, :, k] for k in range(3))
+    biases = dict(gate_bias=table[0], shift_bias=table[1], scale_bias=table[2])
+    summed = (table + (temb.float() if bias_dtype == torch.float32 else temb))  # the model's sum
+    kw = dict(eps=1e-6, policy="bf16", norm="layer", norm_in_fp32=bias_dtype == torch.float32)
+    u, y = gate_norm_modulate(x, gate, branch, None, shift, scale, None, **biases, **kw)
+    u_ref, y_ref = gate_norm_modulate(x, summed[:, :, 0], branch, None, summed[:, :, 1], summed[:, :, 2], None, **kw)
+    assert torch.equal(u, u_ref) and torch.equal(y, y_ref)
+    ops = torch.ops.h3_fused
+    torch.library.opcheck(ops.gate_norm_modulate.default, (x, gate, branch, None, shift, scale, None, *biases.values()),
+                          kw)
+    torch.library.opcheck(ops.gate_residual.default, (x, gate, branch, None, table[0]), dict(policy="bf16"))
+    with pytest.raises(NotImplementedError, match=r"modulation rows given with biases \(gate_bias\)"):
+        ops.gate_residual(x.requires_grad_(), gate, branch, None, table[0], policy="bf16").sum().backward()
+
+
 @settings(max_examples=40, deadline=None)
 @given(tokens=st.integers(1, 40), hidden=st.integers(1, 40).map(lambda h: 8 * h), rows=st.integers(1, 12),
        seed=st.integers(0, 2**16), native=st.booleans(), upcast=st.booleans())

@@ -5,7 +5,8 @@ Drawn: the site (A; B, a gated residual then the modulated norm; C), the norm (`
 ``RMSNorm`` with its bf16 input times an fp32 ``rsqrt``, ``F.layer_norm``; with or without weight; of the
 activations or, with fp32 rows, of their fp32 upcast with the affine and the residual in fp32 and one cast after,
 as Wan writes it), the rows (one per sample as ``[B, 1, H]`` chunks or ``[B, H][:, None]``, with ``1 +`` before or
-after the view; one per token as chunks of a ``[B, T, 6H]`` projection; one for all), their dtype, how many times
+after the view; one per token as chunks of a ``[B, T, 6H]`` projection, or of its sum with a ``[6, H]`` table, as Wan
+2.2 TI2V (fp32, of the projection upcast) and LTX-Video (in the rows' dtype) write theirs; one for all), their dtype, how many times
 the norm's output is modulated (once, or twice by rows of the same form, as SD3.5's ``SD35AdaLayerNormZeroX``: one
 site whose op stores both), the activations' dtype, the batch, the tokens, the width, the policy, and a near-miss (no ``1 +``, ``2 +``, a LayerNorm with a bias,
 rows per token that are no group's). Every example: the sites fused are the true ones, and the output obeys the
@@ -37,7 +38,7 @@ class Case:
     norm: str  # "rms", "rms_diffusers", "layer"
     weight: bool
     in_fp32: bool  # the norm of x.float(), affine and residual in fp32, one cast after (needs fp32 rows)
-    rows: str  # "per_sample", "per_sample_view", "one_plus_then_view", "per_token", "one_for_all"
+    rows: str  # "per_sample", "per_sample_view", "one_plus_then_view", "per_token", "per_token_table", "one_for_all"
     rows_fp32: bool
     modulations: int  # 2: the norm's output modulated twice
     dtype: torch.dtype
@@ -57,7 +58,7 @@ def cases(draw):
     return Case(site, draw(st.sampled_from(["rms", "rms_diffusers", "layer"])), draw(st.booleans()),
                 rows_fp32 and dtype != f32 and draw(st.booleans()),
                 draw(st.sampled_from(["per_sample", "per_sample_view", "one_plus_then_view", "per_token",
-                                      "one_for_all"])),
+                                      "per_token_table", "one_for_all"])),
                 rows_fp32, draw(st.integers(1, 2)), dtype, draw(st.integers(1, 2)), draw(st.integers(1, 24)), 8 * draw(st.integers(1, 24)),
                 draw(st.sampled_from(["bf16", "fp32", "auto"])),
                 draw(st.sampled_from(["none", "none", "no_one_plus", "two_plus", "layer_bias", "rows_not_a_group"]))
@@ -72,8 +73,11 @@ def build(case: Case):
     x, branch = (torch.randn(B, T, H, generator=g).to(case.dtype) for _ in range(2))
     weight = (1 + 0.1 * torch.randn(H, generator=g)).to(case.dtype) if case.weight else None
     bias = (0.1 * torch.randn(H, generator=g)).to(case.dtype)
+    shared = (0.3 * torch.randn(6, H, generator=g)).to(rows_dtype)  # per_token_table's table
     if case.rows == "per_token":
         table = (0.3 * torch.randn(B, T, 6 * H, generator=g)).to(rows_dtype)
+    elif case.rows == "per_token_table":  # a projection in the activations' dtype, summed in the rows'
+        table = (0.3 * torch.randn(B, T, 6, H, generator=g)).to(case.dtype if case.rows_fp32 else rows_dtype)
     elif case.rows == "one_for_all":
         table = (0.3 * torch.randn(6 * H, generator=g)).to(rows_dtype)
     else:
@@ -81,8 +85,11 @@ def build(case: Case):
     other = (0.3 * torch.randn(B, T, H, generator=g)).to(rows_dtype)  # not one of a group
     miss = "none" if case.near_miss == "layer_bias" and case.norm != "layer" else case.near_miss
 
-    def rows(t):
+    def rows(t, shared):
         """shift, scale, gate, and the second modulation's shift and scale."""
+        if case.rows == "per_token_table":  # Wan 2.2 TI2V's `(table.unsqueeze(0) + temb.float()).chunk(6, dim=2)`
+            summed = shared.unsqueeze(0).unsqueeze(0) + (t.float() if case.rows_fp32 else t)
+            return tuple(r.squeeze(2) for r in summed.chunk(6, dim=2)[:5])
         shift, scale, gate, shift2, scale2 = t.chunk(6, -1)[:5]
         if case.rows == "per_sample":
             return shift.unsqueeze(1), scale.unsqueeze(1), gate.unsqueeze(1), shift2.unsqueeze(1), scale2.unsqueeze(1)
@@ -119,8 +126,8 @@ def build(case: Case):
 
         return tuple(affine(shift, scale) for shift, scale in pairs)
 
-    def fn(x, branch, table):
-        shift, scale, gate, shift2, scale2 = rows(table)
+    def fn(x, branch, table, shared):
+        shift, scale, gate, shift2, scale2 = rows(table, shared)
         pairs = [(shift, scale), (shift2, scale2)][:case.modulations]
         if case.site == "A":
             return modulate(x, *pairs)
@@ -131,7 +138,7 @@ def build(case: Case):
     # (which ``in_fp32`` always has); diffusers' RMSNorm with a weight rounds before it, as the native spelling
     norm_site = miss == "none" or (miss == "rows_not_a_group" and T == 1)  # one token: rows per sample
     expected = {"A": int(norm_site), "B": 1, "C": 1}[case.site]
-    return fn, (x, branch, table), expected, (norm_site or case.site == "C")
+    return fn, (x, branch, table, shared), expected, (norm_site or case.site == "C")
 
 
 PROGRESS = tqdm(total=EXAMPLES, desc="family differential examples", file=sys.__stderr__, leave=False, disable=None)
