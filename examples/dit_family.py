@@ -105,10 +105,12 @@ def _qwen_inputs(c, tokens, g):
                 img_shapes=[[(1, side // 2, side // 2)] * images] * 2, return_dict=False)
 
 
-def _ltx_inputs(c, tokens, g):
+def _ltx_inputs(c, tokens, g, per_token=False):
     side = _side(tokens // 2)
-    return dict(hidden_states=_randn(g, 2, 2 * side * side, c["in_channels"]),
-                encoder_hidden_states=_randn(g, 2, 8, c["caption_channels"]), timestep=torch.tensor([500, 700]),
+    patches = 2 * side * side  # patches of 1 x 1 x 1
+    timestep = torch.tensor([[500] * patches, [700] * patches]) if per_token else torch.tensor([500, 700])
+    return dict(hidden_states=_randn(g, 2, patches, c["in_channels"]),
+                encoder_hidden_states=_randn(g, 2, 8, c["caption_channels"]), timestep=timestep,
                 encoder_attention_mask=torch.ones(2, 8), num_frames=2, height=side, width=side, return_dict=False)
 
 
@@ -159,6 +161,11 @@ MODELS = {
         dict(in_channels=8, out_channels=8, num_attention_heads=2, attention_head_dim=16, cross_attention_dim=32,
              num_layers=2, caption_channels=16),
         dict(num_layers=2), _ltx_inputs, (32, 4096)),
+    "ltx_video_per_token": Family(  # a timestep per token (as LTX-Video's conditioning frames take theirs)
+        "LTXVideoTransformer3DModel",
+        dict(in_channels=8, out_channels=8, num_attention_heads=2, attention_head_dim=16, cross_attention_dim=32,
+             num_layers=2, caption_channels=16),
+        dict(num_layers=2), lambda c, t, g: _ltx_inputs(c, t, g, per_token=True), (32, 4096)),
     "sd3": Family(
         "SD3Transformer2DModel",
         dict(sample_size=8, patch_size=2, in_channels=4, num_layers=2, attention_head_dim=16, num_attention_heads=2,

@@ -113,7 +113,11 @@ class Rows:
 
 
 def _is_split_member(node: object) -> bool:
-    """One of a group of rows (a split, chunk or unbind of one tensor): how a model hands out its modulation."""
+    """One of a group of rows (a split, chunk or unbind of one tensor, or a ``select`` along a dim other than its
+    last, as LTX-Video's ``norm_out`` takes ``values[:, :, 0]``): how a model hands out its modulation."""
+    if is_op(node, (aten.select.int,)):
+        shape = shape_of(node.args[0])
+        return shape is not None and node.args[1] % len(shape) != len(shape) - 1
     return is_op(node, (operator.getitem,)) and is_op(node.args[0], SPLITS)
 
 
@@ -142,8 +146,8 @@ def match_rows(node: object, act_shape: tuple, shape: tuple | None = None, row_b
     if is_op(top, WHERE) and per_token:  # (a choice per sample makes rows per sample, taken as they are)
         return _chosen(node, top, nodes + [top], act_shape, shape)
     expect(not per_token or _is_split_member(top),
-           f"{describe(top)} gives a row per token that is not one of a group of modulation rows (a split, chunk or "
-           "unbind)")
+           f"{describe(top)} gives a row per token that is not one of a group of modulation rows (a split, chunk, "
+           "unbind or select)")
     dtype = dtype_of(top)
     expect(dtype in ACTIVATION_DTYPES, f"the rows are {dtype}")
     expect(dtype_of(node) in (dtype, f32), f"the rows are converted to {dtype_of(node)}")
@@ -162,19 +166,23 @@ def _exact_source(v: object) -> object:
     return v
 
 
-def _split_chunk(member: Node) -> tuple[int, int, int] | None:
-    """``(dim, start, length)``: the slice of its split's input a split member is, along ``dim`` (an unbind's:
-    length 1, the dim dropped), or None where the split's sizes are not known."""
+def _split_chunk(member: Node) -> tuple[Node, int, int, int] | None:
+    """``(group, dim, start, length)``: the slice of ``group`` a split member (``_is_split_member``) is, along
+    ``dim`` (an unbind's or a select's: length 1, the dim dropped), or None where the split's sizes are not known."""
+    if member.target == aten.select.int:
+        group, dim, j = member.args
+        return group, dim % len(shape_of(group)), j % shape_of(group)[dim], 1
     split, j = member.args[0], member.args[1]
-    full = shape_of(split.args[0])
+    group = split.args[0]
+    full = shape_of(group)
     if split.target == aten.unbind.int:
         dim = split.args[1] if len(split.args) > 1 else split.kwargs.get("dim", 0)
-        return dim % len(full), j, 1
+        return group, dim % len(full), j, 1
     dim = (split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)) % len(full)
     sizes = split.args[1]
     if isinstance(sizes, int):
-        return dim, j * sizes, sizes
-    return (dim, sum(sizes[:j]), sizes[j]) if all(isinstance(n, int) for n in sizes) else None
+        return group, dim, j * sizes, sizes
+    return (group, dim, sum(sizes[:j]), sizes[j]) if all(isinstance(n, int) for n in sizes) else None
 
 
 def _with_bias(rows: Rows, hidden: int) -> Rows | None:
@@ -186,11 +194,12 @@ def _with_bias(rows: Rows, hidden: int) -> Rows | None:
     are ``sum``'s row in order: the bias is the slice of them at the same place. Else None: the rows stay the
     graph's sums."""
     chunk = _split_chunk(rows.source)
-    total = rows.source.args[0].args[0]
-    if chunk is None or not (is_op(total, ADD) and len(total.args) == 2 and not total.kwargs and
-                             all(isinstance(v, Node) for v in total.args)):
+    if chunk is None:
         return None
-    dim, start, length = chunk
+    total, dim, start, length = chunk
+    if not (is_op(total, ADD) and len(total.args) == 2 and not total.kwargs and
+            all(isinstance(v, Node) for v in total.args)):
+        return None
     full = shape_of(total)
     if full is None:
         return None

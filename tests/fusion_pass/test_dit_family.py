@@ -23,6 +23,7 @@ WHOLE = {  # site A, site B, site C
     "qwen_image": (2, 6, 0),  # 2 blocks x 2 streams: each residual with the next norm (its rows' views moved up)
     "qwen_image_edit": (3, 5, 1),  # zero_cond_t: the image's rows chosen per token, norm_out's not: C and A apart
     "ltx_video": (4, 1, 3),  # 2 blocks x (A, C, [cross-attention], A, C); the last C + norm_out's A -> B
+    "ltx_video_per_token": (3, 2, 2),  # the same, and block 0's last C + block 1's first A -> B (rows with biases)
     "sd3": (2, 6, 0),  # 2 joint blocks (the last, context_pre_only, modulates the context once)
     "sd3_5": (2, 6, 2),  # as SD3; each dual-attention block's norm modulated twice is one site (both outputs)
 }
@@ -34,6 +35,7 @@ REGIONAL = {
     "qwen_image": (2, 2, 2),
     "qwen_image_edit": (2, 2, 2),
     "ltx_video": (2, 0, 2),
+    "ltx_video_per_token": (2, 0, 2),
     "sd3": (4, 3, 3),
     "sd3_5": (4, 3, 5),
 }
@@ -42,10 +44,11 @@ REGIONAL = {
 # Each model whole and by blocks under bf16, but where another model compiles the same classes the same way (CI's
 # time): Qwen-Image and SD3 are Qwen-Image-Edit's and SD3.5's classes, whose configs run their modulation forms too
 # (Qwen-Image-Edit's text stream has rows per sample; SD3.5's context stream the plain AdaLayerNormZero), and
-# HunyuanVideo's whole graph joins its blocks and norm_out as Flux's does (its blocks by blocks here; every model
-# both ways at real dims on the GPU: .ci/gpu's family stage)
+# HunyuanVideo's whole graph joins its blocks and norm_out as Flux's does (its blocks by blocks here), and LTX-Video's
+# blocks with rows per token run in its whole graph (every model both ways at real dims on the GPU: .ci/gpu's family
+# stage)
 LEFT_TO_OTHERS = {("qwen_image", "whole"), ("qwen_image", "regional"), ("sd3", "whole"), ("sd3", "regional"),
-                  ("hunyuan_video", "whole")}
+                  ("hunyuan_video", "whole"), ("ltx_video_per_token", "regional")}
 BF16_CASES = [(name, mode) for name in MODELS for mode in ("whole", "regional") if (name, mode) not in LEFT_TO_OTHERS]
 
 
