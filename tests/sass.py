@@ -19,13 +19,18 @@ import triton
 from h3_fused.kernels.arguments import check_args
 from h3_fused.kernels.backward_kernel import modulation_backward_kernel
 from h3_fused.kernels.forward_kernel import modulation_kernel
-from h3_fused.kernels.launch import ForwardSpecialisation
+from h3_fused.kernels.launch import ForwardSpecialisation, plan_launch
 from h3_fused.kernels.launch_backward import Needs, backward_config, backward_specialisation
 from h3_fused.kernels.launch_plan import constexprs
 from h3_fused.kernels.testing import (
+    TABLE_PLUS_ROWS,
     FamilyForm,
     backward_inputs,
     family_backward_inputs,
+    family_inputs,
+    family_op_biases,
+    family_op_rows,
+    family_rows,
     make_inputs,
     shipped_launch_config,
     shipped_sum_order,
@@ -63,6 +68,37 @@ def compile_site(site: str, policy: str, hidden: int, config=None, index: str = 
                        attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
     return triton.compile(source, target=GPUTarget("cuda", 90, 32),
                           options=dict(num_warps=config.num_warps, debug=True, enable_fp_fusion=fp_fusion))
+
+
+TRITON_TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int32: "*i32",
+                torch.int64: "*i64"}
+
+
+def compile_family_site(site: str, form: FamilyForm, policy: str, hidden: int, fp_fusion: bool = True):
+    """``modulation_kernel`` compiled for sm_90 as the ops launch it for ``site`` in a DiT family ``form`` (rows given
+    without an index, maybe with biases), each pointer of its tensor's dtype (the placeholders' bf16), the row and
+    token counts runtime values; ``fp_fusion``: Triton's ``enable_fp_fusion``."""
+    inputs = family_inputs(site, form, 1, 4, hidden, device="cpu")
+    shift, scale = family_op_rows(form, inputs["modulation"])
+    gate = inputs["modulation"].chunk(6, -1)[2] if form.source == TABLE_PLUS_ROWS else family_rows(
+        form, inputs["modulation"])[2]
+    names = {"A": ("shift", "scale"), "B": ("gate", "shift", "scale"), "C": ("gate",)}[site]
+    lead = {"x": inputs["x"]} if site == "A" else {"residual": inputs["residual"], "branch": inputs["branch"]}
+    a = check_args(**lead, **{k: v for k, v in dict(gate=gate, shift=shift, scale=scale).items() if k in names},
+                   **family_op_biases(form, inputs.get("table"), names), policy=policy, has_norm=site != "C",
+                   **(form.op_flags() if site != "C" else {}))
+    plan = plan_launch(a)
+    tensors = [*plan.inputs(a), a.lead, a.lead]  # then u and y, of the activations' dtype
+    constants = constexprs(plan.launch.spec) | dict(INTERPRETED=False)
+    names = modulation_kernel.arg_names
+    pointers = [n for n in names if n.endswith("_ptr")]
+    signature = {n: TRITON_TYPES[t.dtype] if t is not None else "*bf16" for n, t in zip(pointers, tensors)}
+    signature |= {n: "fp32" if n == "eps" else "i32" for n in names if n not in signature} | {
+        n: "constexpr" for n in constants}
+    source = ASTSource(fn=modulation_kernel, signature={n: signature[n] for n in names},
+                       constexprs={(names.index(k),): v for k, v in constants.items()})
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=plan.launch.num_warps, debug=True, enable_fp_fusion=fp_fusion))
 
 
 def compile_backward(site: str, policy: str, hidden: int, fp_fusion: bool = True, form: FamilyForm | None = None):
