@@ -155,9 +155,6 @@ def match_rows(node: object, act_shape: tuple, shape: tuple | None = None, row_b
     return (_with_bias(rows, hidden) or rows) if row_biases and per_token else rows
 
 
-SHAPE_ONLY = (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.unsqueeze.default)
-
-
 def _exact_source(v: object) -> object:
     """``v`` before exact conversions (to its own dtype, or of bf16/fp16 to fp32)."""
     while is_op(v, CONVERT) and (dtype_of(v) == dtype_of(v.args[0]) or (
@@ -219,7 +216,7 @@ def _with_bias(rows: Rows, hidden: int) -> Rows | None:
                 same_size(n, 1) for k, n in enumerate(aligned[:-1]) if k != dim)):
             continue
         source, bias = _exact_source(given), _exact_source(shared)
-        while is_op(bias, SHAPE_ONLY):
+        while is_op(bias, VIEW):  # each keeps the elements' order
             bias = _exact_source(bias.args[0])
         if dtype_of(source) not in ACTIVATION_DTYPES or dtype_of(bias) not in ACTIVATION_DTYPES or \
                 shape_of(bias) is None or not same_size(_numel(shape_of(bias)), _numel(aligned)) or \

@@ -232,3 +232,40 @@ def test_rows_chosen_by_another_condition_are_refused_with_the_reason(h3_fused_l
                   options={"dtype_policy": "bf16"})(x, emb, index)
     assert sites_fused() == 0 and counters["h3_fused"]["refused"] == 1
     assert any("its rows are chosen per token by different conditions" in r.getMessage() for r in h3_fused_log)
+
+
+SUMS_WITH_A_TABLE = {  # name: (the rows' sum from a [B, T, 3, H] bf16 projection and a table, taken with biases)
+    "fp32 table + the projection upcast (Wan 2.2 TI2V)": (
+        lambda table, temb: table.float().view(1, 1, 3, H) + temb.float(), True),
+    "bf16 table + the projection (LTX-Video)": (lambda table, temb: table.view(1, 1, 3, H) + temb, True),
+    "a table per sample (its rows vary by sample)": (lambda table, temb: table.float()[:2].view(2, 1, 1, H) + temb, False),
+    "both upcast (the sum fp32, their promotion bf16)": (
+        lambda table, temb: table.float().view(1, 1, 3, H) + temb.float(), False),
+}
+
+
+@pytest.mark.parametrize("name", list(SUMS_WITH_A_TABLE))
+def test_rows_per_token_summed_with_a_table_are_read_with_biases_only_where_the_op_adds_as_the_graph(name, monkeypatch):
+    """Rows per token chunked from ``table + temb``: the op reads ``temb``'s rows with the table's as biases where the
+    table is one row per chunk for every token and the sum's dtype is the two's promoted (the op adds in it); else
+    the site fuses the graph's sums as given rows. Either way one site, computing eager's output."""
+    import h3_fused.patterns.replacements as replacements
+
+    views = []
+    replace = replacements.replacement_fn
+    monkeypatch.setattr(replacements, "replacement_fn",
+                        lambda site, policy: views.append(dict(site.row_views)) or replace(site, policy))
+    total, biased = SUMS_WITH_A_TABLE[name]
+    table_dtype = torch.bfloat16 if "bf16 table" in name or "both" in name else torch.float32
+
+    def site(x, table, temb):
+        shift, scale, _ = (r.squeeze(2) for r in total(table, temb).chunk(3, dim=2))
+        return (F.layer_norm(x, (H,), eps=1e-6) * (1 + scale) + shift).to(x.dtype)
+
+    g = torch.Generator().manual_seed(0)
+    x, temb = torch.randn(2, 12, H, generator=g).to(bf16), torch.randn(2, 12, 3, H, generator=g).to(bf16)
+    table = torch.randn(3, H, generator=g).to(table_dtype)
+    got = torch.compile(site, backend="h3_fused", options={"dtype_policy": "bf16"})(x, table, temb)
+    assert sites_fused() == 1 and counters["h3_fused"]["refused"] == 0
+    assert views == [{"shift": (2, 0, 1, 0), "scale": (2, 1, 1, H)} if biased else {}], views
+    assert_bf16_policy(got, site(x, table, temb))
