@@ -120,23 +120,20 @@ def test_the_builds_do_not_depend_on_triton_contracting_multiply_adds(site, poli
         assert float_arithmetic(contracted) == float_arithmetic(apart)
 
 
-FAMILY_FORWARD_BUILDS = [(site, form) for site in "ABC" for form in (
-    FamilyForm("layer", "per_token", True), FamilyForm("layer", TABLE_PLUS_ROWS, True),
-    FamilyForm("diffusers_rms", TABLE_PLUS_ROWS))]
+FAMILY_FORWARD_BUILDS = [(site, form) for site in "AB" for form in (  # B's gate takes the path of C's
+    FamilyForm("layer", TABLE_PLUS_ROWS, True), FamilyForm("diffusers_rms", TABLE_PLUS_ROWS))]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("site, form", FAMILY_FORWARD_BUILDS, ids=[f"{s}-{f}" for s, f in FAMILY_FORWARD_BUILDS])
 def test_the_family_forward_builds_with_biases_keep_their_arithmetic(site, form):
-    """Rows per token, given or with biases (Wan 2.2 TI2V's fp32 sums; LTX-Video's bf16 sums, rounded to bf16 as
-    the graph's add): each build compiles for sm_90 with the same float instructions whether or not Triton
-    contracts multiply-adds, and the bf16 sums are rounded (a conversion to bf16 or a packed bf16 add), never
-    fused into a bf16 FMA."""
+    """Rows per token with biases (Wan 2.2 TI2V's fp32 sums; LTX-Video's bf16 sums, rounded to bf16 as the graph's
+    add): each build compiles for sm_90 with the same float instructions whether or not Triton
+    contracts multiply-adds, and no bf16 FMA (which would drop a rounding). That the bf16 sums round as the graph's
+    add: the interpreted and GPU tests, on the values."""
     builds = [compile_family_site(site, form, "bf16", HIDDEN, fp_fusion=on).asm["ptx"] for on in (True, False)]
     assert float_arithmetic(builds[0]) == float_arithmetic(builds[1])
     assert not re.findall(r"^\s+fma\.rn\.bf16", builds[0], re.M)
-    if form.source == TABLE_PLUS_ROWS and not form.in_fp32:
-        assert re.findall(r"^\s+(cvt\.rn\.bf16|add\.rn\.bf16)", builds[0], re.M)
 
 
 FAMILY_BACKWARD_BUILDS = [(site, form) for site in "ABC" for form in (
