@@ -13,8 +13,9 @@ them: the one catalogue the tests and the benchmarks share.
 
 The DiT family's forms (``FamilyForm``: the norm and its spelling, where the rows come from, fp32 rows with the
 norm and affine of the fp32 upcast) have their own: ``family_modulation``, ``family_rows``, ``family_inputs``,
-``family_modulations``, ``family_eager_site``, ``family_exact_site``, ``family_fused_site``,
-``family_backward_inputs`` and ``family_minimal_bytes``.
+``family_modulations``, ``family_op_rows``, ``family_op_biases`` (rows summed with a table: the ops' biases),
+``family_eager_site``, ``family_exact_site``, ``family_fused_site``, ``family_backward_inputs`` and
+``family_minimal_bytes``.
 """
 
 from __future__ import annotations
