@@ -91,9 +91,6 @@ def check_rows(name: str, t: object, shape: torch.Size, copies: int | None = Non
         return expanded.reshape(samples, tokens, hidden)
 
 
-ROWS = ("gate", "shift", "scale")
-
-
 def check_row_biases(biases: dict, given: dict, index, copies, hidden: int) -> dict[str, torch.Tensor]:
     """The biases of the given rows (``biases``: name of the rows -> an ``[H]`` row or None), each contiguous: all
     of the rows ``given`` or none, without an index or copies. Returns the rows' names to their biases."""

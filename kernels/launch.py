@@ -194,7 +194,7 @@ class ForwardSpecialisation:
             HAS_AFFINE=a.has_affine, COPIES=a.modulations, GATHERED=a.gathered, ROW_BIAS=a.row_bias,
             LAYER_NORM=a.norm == "layer", ROUND_GATE=r.gate_product, ROUND_NORM=r.norm_output,
             ROUND_NORM_BEFORE_WEIGHT=r.norm_before_weight, ROUND_AFFINE=r.affine,
-            ROUND_ROW_SUM=r.row_sum and a.row_bias, FUSE_MULTIPLY_ADD=r.fused_multiply_add, NORM_SUM_ORDER=int(sum_order),
+            ROUND_ROW_SUM=r.row_sum, FUSE_MULTIPLY_ADD=r.fused_multiply_add, NORM_SUM_ORDER=int(sum_order),
             INTERPRETED=interpreting(),
             BLOCK_T=config.block_t, CHUNK=config.chunk,
             PRELOAD_TABLE_CHUNKS=config.preload_table_chunks and a.has_norm,  # no tables without a norm: one C build

@@ -206,7 +206,8 @@ def launch_backward(a: ModulationArgs, u: torch.Tensor | None, dy: torch.Tensor 
     def given(t):  # a tensor the site has, else the placeholder
         return placeholder if t is None else t
 
-    branch, gate, scale = (a.branch if has_gate else None), (a.gate if has_gate else None), (a.scale if has_norm else None)
+    branch, gate = (a.branch, a.gate) if has_gate else (None, None)
+    scale = a.scale if has_norm else None
     tensors = (given(u), given(branch), given(gate), given(a.weight), given(scale), a.index, order, seg, given(dy),
                given(du), given(grads.get("lead")), given(grads.get("branch")), part["shift"], part["scale"],
                part["gate"], part["weight"])

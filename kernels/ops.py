@@ -101,8 +101,8 @@ def _public_op(name: str):
 @_public_op("norm_modulate")
 def norm_modulate(
     x: Tensor, weight: Tensor | None, shift: Tensor, scale: Tensor, index: Tensor | None,
-    shift_bias: Tensor | None = None, scale_bias: Tensor | None = None, *, eps: float = 1e-6, policy: str = "auto", norm_rounds_before_weight: bool = False,
-    upcast_tables: bool = False, norm: str = "rms", norm_in_fp32: bool = False,
+    shift_bias: Tensor | None = None, scale_bias: Tensor | None = None, *, eps: float = 1e-6, policy: str = "auto",
+    norm_rounds_before_weight: bool = False, upcast_tables: bool = False, norm: str = "rms", norm_in_fp32: bool = False,
 ) -> Tensor:
     """Site A: ``y = R(R(norm(x) * R(1 + scale[index])) + shift[index])`` (roundings per policy); without an
     ``index``, ``shift`` and ``scale`` are rows that broadcast to ``x`` (per sample or per token), or with a
@@ -112,8 +112,9 @@ def norm_modulate(
     upcast to fp32, its output and the affine fp32, rounded once at ``y``. ``shift_bias``, ``scale_bias``: ``[H]``
     rows added to given rows (both or neither; ``arguments.check_row_biases``); they take no gradient."""
     raw = dict(x=x, residual=None, branch=None, gate=None, weight=weight, shift=shift, scale=scale, index=index,
-               shift_bias=shift_bias, scale_bias=scale_bias, eps=eps, policy=policy, norm_rounds_before_weight=norm_rounds_before_weight,
-               upcast_tables=upcast_tables, norm=norm, norm_in_fp32=norm_in_fp32)
+               shift_bias=shift_bias, scale_bias=scale_bias, eps=eps, policy=policy,
+               norm_rounds_before_weight=norm_rounds_before_weight, upcast_tables=upcast_tables, norm=norm,
+               norm_in_fp32=norm_in_fp32)
     a = check_args(**raw, has_norm=True)
     return _run(a, raw, want_u=False, want_y=True)[1]
 
@@ -122,15 +123,16 @@ def norm_modulate(
 def gate_norm_modulate(
     residual: Tensor, gate: Tensor, branch: Tensor, weight: Tensor | None, shift: Tensor, scale: Tensor,
     index: Tensor | None, gate_bias: Tensor | None = None, shift_bias: Tensor | None = None,
-    scale_bias: Tensor | None = None, *, eps: float = 1e-6, policy: str = "auto", norm_rounds_before_weight: bool = False,
-    upcast_tables: bool = False, norm: str = "rms", norm_in_fp32: bool = False,
+    scale_bias: Tensor | None = None, *, eps: float = 1e-6, policy: str = "auto",
+    norm_rounds_before_weight: bool = False, upcast_tables: bool = False, norm: str = "rms", norm_in_fp32: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """Site B: ``u = R(residual + gate[index] * branch)``, ``y = norm_modulate(u, ...)`` (``y`` with ``norm_modulate``'s
     copies, where ``shift`` and ``scale`` have them); returns ``(u, y)``. Biases: as ``norm_modulate``'s, and the
     gate's."""
     raw = dict(x=None, residual=residual, branch=branch, gate=gate, weight=weight, shift=shift, scale=scale,
-               index=index, gate_bias=gate_bias, shift_bias=shift_bias, scale_bias=scale_bias, eps=eps, policy=policy, norm_rounds_before_weight=norm_rounds_before_weight,
-               upcast_tables=upcast_tables, norm=norm, norm_in_fp32=norm_in_fp32)
+               index=index, gate_bias=gate_bias, shift_bias=shift_bias, scale_bias=scale_bias, eps=eps, policy=policy,
+               norm_rounds_before_weight=norm_rounds_before_weight, upcast_tables=upcast_tables, norm=norm,
+               norm_in_fp32=norm_in_fp32)
     a = check_args(**raw, has_norm=True)
     u, y = _run(a, raw, want_u=True, want_y=True)
     return u, y
@@ -144,6 +146,7 @@ def gate_residual(
     """Site C: ``u = R(residual + [R](gate[index] * branch))``; without an ``index``, ``gate`` is rows that
     broadcast to the residual, maybe plus ``gate_bias`` (as ``norm_modulate``'s biases)."""
     raw = dict(x=None, residual=residual, branch=branch, gate=gate, weight=None, shift=None, scale=None,
-               index=index, gate_bias=gate_bias, eps=0.0, policy=policy, norm_rounds_before_weight=False, upcast_tables=upcast_tables)
+               index=index, gate_bias=gate_bias, eps=0.0, policy=policy, norm_rounds_before_weight=False,
+               upcast_tables=upcast_tables)
     a = check_args(**raw, has_norm=False)
     return _run(a, raw, want_u=True, want_y=False)[0]

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from .arguments import ModulationArgs
-from .contract import compensated
+from .contract import LOW_PRECISION, compensated
 
 f32 = torch.float32
 
@@ -74,7 +74,7 @@ def gated_residual(a: ModulationArgs) -> torch.Tensor:
     table under ``fp32`` the kernel's fp32 FMA skips the rounding of the product: the sums can differ in
     fp32's last place, and so, rarely, the stored residuals)."""
     gate_rows = rows_of(a.gate, a, bias=a.gate_bias)
-    if a.rounding.fused_multiply_add and gate_rows.dtype == a.dtype and a.dtype in (torch.bfloat16, torch.float16):
+    if a.rounding.fused_multiply_add and gate_rows.dtype == a.dtype and a.dtype in LOW_PRECISION:
         return sum_rounded_once(a.residual, gate_rows, a.branch, a.dtype).to(a.dtype)
     c = a.compute_dtype
     product = _round(gate_rows.to(c) * a.branch.to(c), a.dtype, a.rounding.gate_product)

@@ -13,8 +13,8 @@ them: the one catalogue the tests and the benchmarks share.
 
 The DiT family's forms (``FamilyForm``: the norm and its spelling, where the rows come from, fp32 rows with the
 norm and affine of the fp32 upcast) have their own: ``family_modulation``, ``family_rows``, ``family_inputs``,
-``family_modulations``, ``family_op_rows``, ``family_op_biases`` (rows summed with a table: the ops' biases),
-``family_eager_site``, ``family_exact_site``, ``family_fused_site``, ``family_backward_inputs`` and
+``family_modulations``, ``family_op_rows``, ``family_op_gate``, ``family_op_biases`` (rows summed with a table:
+the ops' biases), ``family_eager_site``, ``family_exact_site``, ``family_fused_site``, ``family_backward_inputs`` and
 ``family_minimal_bytes``.
 """
 
@@ -295,6 +295,12 @@ def family_op_rows(form: FamilyForm, modulation: torch.Tensor, choice: torch.Ten
     return tuple(torch.stack([r.view((1,) * (3 - r.dim()) + tuple(r.shape)) for r in copies]) for copies in zip(*pairs))
 
 
+def family_op_gate(form: FamilyForm, modulation: torch.Tensor, choice: torch.Tensor | None = None) -> torch.Tensor:
+    """The gate's rows as the fused ops take them for ``form`` (``TABLE_PLUS_ROWS``: the projection's, without the
+    table)."""
+    return modulation.chunk(6, -1)[2] if form.source == TABLE_PLUS_ROWS else family_rows(form, modulation, choice)[2]
+
+
 def family_op_biases(form: FamilyForm, table: torch.Tensor | None, names=("shift", "scale")) -> dict:
     """The biases the fused ops take for ``form`` (``TABLE_PLUS_ROWS``: the table's chunks), keyed ``{name}_bias``
     for each of ``names`` (of ``gate``, ``shift``, ``scale``: chunks 2, 0, 1); none for the other sources."""
@@ -375,21 +381,18 @@ def family_fused_site(site: str, form: FamilyForm, policy: str, eps: float = 1e-
     def outputs(y):
         return tuple(y.unbind(0)) if form.modulations > 1 else (y,)
 
-    def gate_of(modulation, choice):
-        return (modulation.chunk(6, -1)[2] if form.source == TABLE_PLUS_ROWS else
-                family_rows(form, modulation, choice)[2])
-
     def a(x, modulation, choice=None, table=None):
         ys = outputs(norm_modulate(x, None, *rows(modulation, choice), None, **family_op_biases(form, table), **flags))
         return ys if form.modulations > 1 else ys[0]
 
     def b(residual, branch, modulation, choice=None, table=None):
-        u, y = gate_norm_modulate(residual, gate_of(modulation, choice), branch, None, *rows(modulation, choice), None,
+        u, y = gate_norm_modulate(residual, family_op_gate(form, modulation, choice), branch, None,
+                                  *rows(modulation, choice), None,
                                   **family_op_biases(form, table, ("gate", "shift", "scale")), **flags)
         return u, *outputs(y)
 
     def c(residual, branch, modulation, choice=None, table=None):
-        return gate_residual(residual, gate_of(modulation, choice), branch, None,
+        return gate_residual(residual, family_op_gate(form, modulation, choice), branch, None,
                              **family_op_biases(form, table, ("gate",)), policy=policy)
 
     return {"A": a, "B": b, "C": c}[site]
@@ -438,7 +441,8 @@ def family_minimal_bytes(site: str, form: FamilyForm, inputs: dict) -> int:
     rows = lead.numel() // lead.shape[-1]
     modulation = inputs["modulation"]
     extra = form.modulations - 1 if site != "C" else 0  # the further modulations' outputs and rows
-    per_token = 0 if form.source not in ("per_token", TABLE_PLUS_ROWS) else ({"A": 2, "B": 3, "C": 1}[site] + 2 * extra) * (
+    per_token = 0 if form.source not in ("per_token", TABLE_PLUS_ROWS) else (
+        {"A": 2, "B": 3, "C": 1}[site] + 2 * extra) * (
         modulation.numel() // 6 * modulation.element_size())
     return minimal_bytes(site, rows, lead.shape[-1], lead.element_size()) + extra * lead.numel() * \
         lead.element_size() + per_token

@@ -23,14 +23,13 @@ from h3_fused.kernels.launch import ForwardSpecialisation, plan_launch
 from h3_fused.kernels.launch_backward import Needs, backward_config, backward_specialisation
 from h3_fused.kernels.launch_plan import constexprs
 from h3_fused.kernels.testing import (
-    TABLE_PLUS_ROWS,
     FamilyForm,
     backward_inputs,
     family_backward_inputs,
     family_inputs,
     family_op_biases,
+    family_op_gate,
     family_op_rows,
-    family_rows,
     make_inputs,
     shipped_launch_config,
     shipped_sum_order,
@@ -80,8 +79,7 @@ def compile_family_site(site: str, form: FamilyForm, policy: str, hidden: int, f
     token counts runtime values; ``fp_fusion``: Triton's ``enable_fp_fusion``."""
     inputs = family_inputs(site, form, 1, 4, hidden, device="cpu")
     shift, scale = family_op_rows(form, inputs["modulation"])
-    gate = inputs["modulation"].chunk(6, -1)[2] if form.source == TABLE_PLUS_ROWS else family_rows(
-        form, inputs["modulation"])[2]
+    gate = family_op_gate(form, inputs["modulation"])
     names = {"A": ("shift", "scale"), "B": ("gate", "shift", "scale"), "C": ("gate",)}[site]
     lead = {"x": inputs["x"]} if site == "A" else {"residual": inputs["residual"], "branch": inputs["branch"]}
     a = check_args(**lead, **{k: v for k, v in dict(gate=gate, shift=shift, scale=scale).items() if k in names},
