@@ -266,11 +266,27 @@ def _add_squares_as_fused_rms_norm(partial, u):
 def _add_squares_as_mean(partial, u, zero):
     """``partial`` plus the squares of chunk ``u`` (``[BLOCK_T, CHUNK]`` fp32, ``CHUNK`` 4 times a power of 2 up
     to 128) as the native RMSNorm's ``x.pow(2).mean(-1)`` adds them on CUDA from 16 rows on: ``pow`` rounds each
-    square to fp32 (``mul_rn``: never an FMA with the add), and torch's generic reduction gives a row one warp,
-    lane ``l`` reading the 4-element vectors ``l, l + 32, ...`` (fewer lanes where the row has fewer vectors)
-    and adding element ``i`` of each to its own sum ``i``. ``partial`` holds those 4 sums of each lane, in the
-    chunk's layout: with ``CHUNK`` = 4 lanes a chunk is one vector of each lane."""
+    square to fp32 (``mul_rn``: never an FMA with the add), and torch's generic reduction gives a row one warp
+    whose lanes each keep 4 sums. From ``H`` = 128 on it reads the row in 4-element vectors, lane ``l`` the
+    vectors ``l, l + 32, ...``, adding element ``i`` of each to its sum ``i``; a shorter row it reads element by
+    element, lane ``l`` of ``L`` taking elements ``l + L*i`` into sum ``i`` (``_lane_sums`` puts them in the
+    vectors' layout). ``partial`` holds the squares added chunk by chunk, in the chunk's layout."""
     return partial + mul_rn(u, u, zero)
+
+
+@triton.jit
+def _lane_sums(partial, HIDDEN: tl.constexpr):
+    """The 4 sums of each lane of torch's generic reduction from the squares ``partial`` (``[BLOCK_T, CHUNK]``),
+    as ``[BLOCK_T, CHUNK // 4, 4]``: from ``H`` = 128 on the chunk's columns ``4l .. 4l + 3`` (lane ``l``'s
+    vectors); below it (the reduction does not vectorize a row shorter than 128, ``setReduceConfig``), one
+    chunk of ``4L`` columns read element-strided, whose column ``l + L*i`` is lane ``l``'s sum ``i``."""
+    BT: tl.constexpr = partial.shape[0]
+    LANES: tl.constexpr = partial.shape[1] // 4
+    if HIDDEN >= 128:
+        sums = tl.reshape(partial, [BT, LANES, 4])
+    else:
+        sums = tl.permute(tl.reshape(partial, [BT, 4, LANES]), (0, 2, 1))
+    return sums
 
 
 @triton.jit
@@ -309,7 +325,7 @@ def _eager_norm_mean(partial, n_rows, program, zero, HIDDEN: tl.constexpr, NORM_
     else:
         BT: tl.constexpr = partial.shape[0]
         LANES: tl.constexpr = partial.shape[1] // 4
-        even, odd = tl.split(tl.reshape(partial, [BT, LANES, 2, 2]))  # each lane's sums 0, 2 and 1, 3
+        even, odd = tl.split(tl.reshape(_lane_sums(partial, HIDDEN), [BT, LANES, 2, 2]))  # each lane's 0, 2; 1, 3
         s0, s2 = tl.split(even)
         s1, s3 = tl.split(odd)
         rows = n_rows + 0 * program  # int64, also where ``n_rows`` is a constant

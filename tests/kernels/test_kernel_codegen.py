@@ -83,8 +83,9 @@ def test_every_build_compiles_with_the_counts_as_constants(site, rows):
 @pytest.mark.parametrize("site", ["A", "B"])
 def test_each_norm_sum_order_compiles_at_the_edge_widths(site, native):
     """The widths where the launch changes the norm's sum order or its chunk: H = 4 (one vector a row), 12 (not
-    a power of 2), 128 (the native order's narrowest), 8,196 (past its widest: the kernel's own order)."""
-    for hidden in (4, 12, 128, 8196):
+    a power of 2), 16 (the native order's narrowest), 64 (a row eager reads element by element: one chunk wider
+    than it), 128 (the native order's first in vectors), 8,196 (past its widest: the kernel's own order)."""
+    for hidden in (4, 12, 16, 64, 128, 8196):
         assert compile_site(site, "bf16", hidden, native=native).asm["ptx"]
 
 
@@ -93,10 +94,10 @@ def test_native_spelling_rounds_every_product(site):
     """The native RMSNorm's eager graph rounds every product it forms (``pow``, the mean's factor, ``* rstd``, ``*
     weight``, the affine) before any add: its build holds no FMA, the mean's product with the factor included
     (a plain product there fused with ``+ eps``, and missed eager's ``rstd`` on rare rows at H = 200 and 5,376).
-    The products are the same instructions at every width from 128 on, where the mean takes eager's order; H3's
+    The products are the same instructions at every width from 16 on, where the mean takes eager's order; H3's
     5,376 unrolls 42 chunks, a build of over a minute here, and is held to eager's bits on the GPU instead
     (``test_ops_gpu.py``)."""
-    for hidden in (200, 1024):
+    for hidden in (64, 200, 1024):
         ptx = compile_site(site, "bf16", hidden, native=True).asm["ptx"]
         assert not re.findall(r"^\s+fma\.", ptx, re.M)
 

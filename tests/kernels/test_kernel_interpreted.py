@@ -329,16 +329,24 @@ def eager_fused_rms_norm_mean(x: torch.Tensor) -> torch.Tensor:
 
 def eager_mean_of_squares(x: torch.Tensor, rows_counted: int) -> torch.Tensor:
     """Per row of ``x``, ``x.float().pow(2).mean(-1)`` as torch's generic CUDA reduction computes it from 16 rows
-    on (for a tensor of ``rows_counted`` rows): lane ``l`` of ``L = min(32, last power of 2 <= H / 4)`` keeps 4
-    sums, adding element ``i`` of its vectors ``l, l + L, ...`` to sum ``i``; ``((s0 + s1) + s2) + s3``; a
-    shuffle-down tree over the lanes; times ``float(rows) / float(rows * H)``."""
+    on (for a tensor of ``rows_counted`` rows): each of a warp's ``L`` lanes keeps 4 sums. From H = 128 on the
+    row is read in 4-element vectors, ``L = 32``, lane ``l`` adding element ``i`` of its vectors ``l, l + 32,
+    ...`` to sum ``i``; a shorter row element by element, ``L = min(32, last power of 2 <= H)``, lane ``l``
+    taking element ``l + L*i`` as its sum ``i``. Then ``((s0 + s1) + s2) + s3``; a shuffle-down tree over the
+    lanes; times ``float(rows) / float(rows * H)``."""
     rows, hidden = x.shape
-    lanes = min(32, 1 << ((hidden // 4).bit_length() - 1))
-    vectors = torch.zeros(rows, -(-hidden // (4 * lanes)) * lanes, 4)
-    vectors.view(rows, -1)[:, :hidden] = x.float().square()
-    sums = torch.zeros(rows, lanes, 4)
-    for k in range(vectors.shape[1] // lanes):
-        sums = sums + vectors[:, k * lanes:(k + 1) * lanes]
+    if hidden >= 128:
+        lanes = 32
+        vectors = torch.zeros(rows, -(-hidden // (4 * lanes)) * lanes, 4)
+        vectors.view(rows, -1)[:, :hidden] = x.float().square()
+        sums = torch.zeros(rows, lanes, 4)
+        for k in range(vectors.shape[1] // lanes):
+            sums = sums + vectors[:, k * lanes:(k + 1) * lanes]
+    else:
+        lanes = min(32, 1 << (hidden.bit_length() - 1))
+        elements = torch.zeros(rows, 4, lanes)
+        elements.view(rows, -1)[:, :hidden] = x.float().square()
+        sums = elements.transpose(1, 2)
     per_lane = ((sums[..., 0] + sums[..., 1]) + sums[..., 2]) + sums[..., 3]
     factor = torch.tensor(float(rows_counted), dtype=torch.float32) / torch.tensor(float(rows_counted * hidden),
                                                                                    dtype=torch.float32)
@@ -373,7 +381,7 @@ def eager_order_means(x_ptr, out_ptr, n_rows, HIDDEN: tl.constexpr, CHUNK: tl.co
 
 
 @pytest.mark.parametrize("order, hidden", [(SumOrder.FUSED_RMS_NORM, h) for h in (4, 64, 128, 200, 1024, 2052)]
-                         + [(SumOrder.MEAN, h) for h in (128, 200, 1024, 2052)])
+                         + [(SumOrder.MEAN, h) for h in (8, 16, 24, 32, 64, 96, 124, 128, 200, 1024, 2052)])
 def test_the_norm_mean_takes_the_order_of_eagers_kernel(order, hidden):
     """``NORM_SUM_ORDER``'s device functions, with the chunks the launch gives them, against each eager kernel's
     order written out add by add: the same fp32 mean, bit for bit, on data whose sums depend on the order

@@ -50,8 +50,9 @@ def test_launch_config_never_runs_on_fewer_than_min_warps(hidden, site, rows):
 def test_eager_sum_orders_take_chunks_of_one_vector_per_eager_thread(hidden, site, rows):
     """Where the norm's squares add in the fused RMSNorm's order, chunks of 512 columns (its 128 threads x 4) on
     4 warps, or the whole padded row where it is shorter, the rows per program as without it; in the mean's
-    order, chunks of one vector per lane of a warp (at most 32 lanes), one row a program on 2 warps; site A's
-    tables warmed as the kernel starts in every order."""
+    order, chunks of one vector per lane of a warp (at most 32 lanes), one row a program on 2 warps, but for a
+    row eager reads element by element (H < 128): one chunk of 4 elements per lane, the rows per program as the
+    other orders take them; site A's tables warmed as the kernel starts in every order."""
     from h3_fused.kernels.contract import SumOrder
     from h3_fused.kernels.launch import MEAN_ORDER_WARPS, MIN_WARPS, launch_config
 
@@ -59,21 +60,25 @@ def test_eager_sum_orders_take_chunks_of_one_vector_per_eager_thread(hidden, sit
     assert (fused.chunk, fused.num_warps, fused.block_t) == (min(512, 1 << (hidden - 1).bit_length()), MIN_WARPS,
                                                              other.block_t)
     mean = launch_config(hidden, *site, rows, SumOrder.MEAN)
-    lanes = min(32, 1 << ((hidden // 4).bit_length() - 1))
-    assert (mean.chunk, mean.num_warps, mean.block_t, mean.warm_tables_first) == (
-        4 * lanes, MEAN_ORDER_WARPS, 1, other.warm_tables_first)
+    if hidden >= 128:
+        assert (mean.chunk, mean.num_warps, mean.block_t, mean.warm_tables_first) == (
+            128, MEAN_ORDER_WARPS, 1, other.warm_tables_first)
+    else:  # read element by element by eager: one chunk of 4 sums for each of min(32, last power of 2 <= H) lanes
+        lanes = min(32, 1 << (hidden.bit_length() - 1))
+        assert (mean.chunk, mean.num_warps, mean.block_t, mean.warm_tables_first) == (
+            4 * lanes, MIN_WARPS, min(other.block_t, 2048 // (4 * lanes)), other.warm_tables_first)
 
 
 @pytest.mark.parametrize("policy, native, hidden, rows, order", [
     ("bf16", False, 5376, 3, 1), ("bf16", False, 128, None, 1), ("bf16", False, 101, 4096, 0),
     ("bf16", True, 5376, 4096, 2), ("bf16", True, 5376, None, 2), ("bf16", True, 5376, 15, 0),
-    ("bf16", True, 64, 4096, 0), ("bf16", True, 8160, 4096, 2), ("bf16", True, 8192, 4096, 0),
+    ("bf16", True, 64, 4096, 2), ("bf16", True, 16, 4096, 2), ("bf16", True, 12, 4096, 0), ("bf16", True, 8160, 4096, 2), ("bf16", True, 8192, 4096, 0),
     ("bf16", True, 16384, 4096, 0), ("fp32", False, 5376, 4096, 0),
     ("fp32", True, 5376, 4096, 0)])
 def test_the_norm_sums_in_the_order_of_the_eager_kernel_the_spelling_runs(policy, native, hidden, rows, order):
     """``NORM_SUM_ORDER`` under ``bf16``: 1 (torch's fused RMSNorm) for ``nn.RMSNorm`` / ``F.rms_norm`` and 2
     (torch's mean) for the native RMSNorm, where eager takes the path reproduced (H a multiple of 4; for the
-    mean 16 rows or more, or a symbolic count, and H from 128 to 8,160); else 0, the kernel's own; never under
+    mean 16 rows or more, or a symbolic count, and H from 16 to 8,160); else 0, the kernel's own; never under
     ``fp32`` nor for site C (no norm)."""
     from h3_fused.kernels.arguments import check_args
     from h3_fused.kernels.launch import ForwardSpecialisation, LaunchConfig, norm_sum_order

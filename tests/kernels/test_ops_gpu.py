@@ -47,13 +47,31 @@ def test_bf16_policy_matches_eager_at_other_widths(site, hidden, tokens):
 
 
 @pytest.mark.parametrize("site, hidden, tokens", [
-    *itertools.product("AB", [128, 200, 1024, 5376], [16, 3072, 15808]),
+    *itertools.product("AB", [16, 32, 64, 96, 128, 200, 1024, 5376], [16, 3072, 15808]),
     # the widest row eager's warp sums: one build of 64 unrolled chunks, minutes to compile, started first
     pytest.param("B", 8160, 3072, marks=pytest.mark.slow)])
 def test_bf16_policy_matches_the_native_rms_norm_from_16_rows(site, hidden, tokens):
     """The native spelling's mean sums in the order of torch's generic reduction (one warp a row from 16 rows
     on, up to H = 8,160): every output bit for bit (site A with its tables warmed as the kernel starts)."""
     _assert_bf16_policy_matches_eager(site, *_native_site(site, tokens, hidden))
+
+
+@pytest.mark.parametrize("head_dim", [32, 64, 96])
+def test_the_native_rms_norm_of_attention_heads_is_eagers_in_one_launch(head_dim):
+    """The q/k norms of SD3.5 (diffusers' ``RMSNorm``, weighted, over ``[B, T, heads, head_dim]`` rows, a view of
+    the projection): ``eager_rms_norm`` runs the forward kernel (rows shorter than 128 read element by element, as
+    torch's reduction reads them) and gives eager's bits."""
+    from h3_fused.kernels.eager_norm import eager_rms_norm, kernel_args
+
+    g = torch.Generator(device="cuda").manual_seed(head_dim)
+    projected = torch.randn(2, 4104, 38 * head_dim, generator=g, device="cuda").to(torch.bfloat16)
+    x = projected.view(2, 4104, 38, head_dim)
+    weight = (1 + torch.randn(head_dim, generator=g, device="cuda") / 4).to(torch.bfloat16)
+    assert kernel_args(x, weight, 1e-6, True) is not None
+    x32 = x.float()
+    expected = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6)).to(torch.bfloat16) * weight
+    got = eager_rms_norm(x, weight, 1e-6, True)
+    assert torch.equal(got, expected), f"differs on {_diff(got, expected):.2e} of its elements"
 
 
 def test_bf16_policy_native_rms_norm_of_rows_eager_splits_over_warps():
