@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch._prims_common import compute_elementwise_output_logical_to_physical_perm
 from torch.library import triton_op
 
 from .arguments import ModulationArgs, check_args
@@ -84,17 +85,30 @@ def kernel_args(x: Tensor, weight: Tensor | None, eps: float, rounds_before_weig
     return a if norm_sum_order(a.rounding, a.hidden, True, a.static_rows) is not SumOrder.OWN else None
 
 
+def memory_order(x: Tensor) -> list[int] | None:
+    """The permutation of ``x``'s dims into the order of its memory where ``x`` is dense but not contiguous, that
+    permutation makes it contiguous and keeps its last dim last (a head's rows transposed, ``[B, heads, T, D]``
+    from ``[B, T, heads, D]``, as SD3's attention norms them), and its strides are static; else None."""
+    if x.is_contiguous() or not all(isinstance(n, int) for n in (*x.shape, *x.stride())):
+        return None
+    order = compute_elementwise_output_logical_to_physical_perm(x)[0]
+    return order if order[-1] == x.dim() - 1 and x.permute(order).is_contiguous() else None
+
+
 @triton_op("h3_fused::eager_rms_norm", mutates_args=())
 def eager_rms_norm(x: Tensor, weight: Tensor | None, eps: float, rounds_before_weight: bool) -> Tensor:
     """RMSNorm of ``x`` over its last dim, ``r = rsqrt(mean(x32^2) + eps)`` (``x32`` = ``x`` in fp32), bit for bit
-    as the eager spelling the graph had computes it, the output contiguous and of ``x``'s dtype:
-    ``rounds_before_weight`` false: ``R(x32 * r * w32)``, one rounding (``nn.RMSNorm``, ``F.rms_norm``); true:
-    ``R(R(x32 * r) * w)``, the native spelling. The forward kernel where ``kernel_args`` says it reproduces
-    eager's order, else ``eager_kernels_rms_norm``."""
-    a = kernel_args(x, weight, eps, rounds_before_weight)
+    as the eager spelling the graph had computes it, of ``x``'s dtype: ``rounds_before_weight`` false:
+    ``R(x32 * r * w32)``, one rounding (``nn.RMSNorm``, ``F.rms_norm``); true: ``R(R(x32 * r) * w)``, the native
+    spelling. The forward kernel where ``kernel_args`` says it reproduces eager's order, else
+    ``eager_kernels_rms_norm`` (its output contiguous). The kernel reads a dense ``x``'s rows in the order of its
+    memory and lays the output out as ``x`` (as the eager spelling's is), so a transposed ``x`` is not copied;
+    any other layout is read from a contiguous copy into a contiguous output."""
+    order = memory_order(x)
+    a = kernel_args(x if order is None else x.permute(order), weight, eps, rounds_before_weight)
     if a is None:
         return eager_kernels_rms_norm(x, weight, eps, rounds_before_weight)
     y = torch.empty(a.out_shape, dtype=a.dtype, device=a.device)
     with launch_context(a.device, (x, weight, eps, rounds_before_weight)) as wrap:
         launch_modulation(a, None, y, wrap)
-    return y
+    return y if order is None else y.permute(sorted(range(x.dim()), key=order.__getitem__))

@@ -80,4 +80,21 @@ def test_opcheck_on_cuda():
     x = torch.randn(64, 3, 128, device="cuda").to(bf16)
     weight = torch.randn(128, device="cuda").to(bf16)
     for rounds_before_weight in (False, True):
-        torch.library.opcheck(torch.ops.h3_fused.eager_rms_norm.default, (x, weight, 1e-5, rounds_before_weight))
+        for rows in (x, x.transpose(0, 1)):  # read in place, the output laid out as the rows
+            torch.library.opcheck(torch.ops.h3_fused.eager_rms_norm.default, (rows, weight, 1e-5, rounds_before_weight))
+
+
+@pytest.mark.parametrize("layout, order", [
+    ("contiguous", None), ("heads transposed", [0, 2, 1, 3]), ("a slice of a fused qkv", None),
+    ("the last dim not last in memory", None), ("a transposed size-1 dim", None)])
+def test_a_dense_layout_is_read_in_memory_order(layout, order):
+    """``eager_rms_norm`` reads the rows of a dense, non-contiguous ``x`` in the order of its memory (the
+    permutation that makes it contiguous, its last dim last) and lays the output out as ``x``; any other layout is
+    read as it is (the contiguous one) or from a copy."""
+    from h3_fused.kernels.eager_norm import memory_order
+
+    x = {"contiguous": torch.empty(2, 8, 3, 16), "heads transposed": torch.empty(2, 8, 3, 16).transpose(1, 2),
+         "a slice of a fused qkv": torch.empty(2, 8, 3, 3, 16)[:, :, 0],
+         "the last dim not last in memory": torch.empty(4, 16).t(),
+         "a transposed size-1 dim": torch.empty(2, 1, 3, 16).transpose(1, 2)}[layout]
+    assert memory_order(x) == order

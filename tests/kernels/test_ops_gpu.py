@@ -58,19 +58,20 @@ def test_bf16_policy_matches_the_native_rms_norm_from_16_rows(site, hidden, toke
 
 @pytest.mark.parametrize("head_dim", [32, 64, 96])
 def test_the_native_rms_norm_of_attention_heads_is_eagers_in_one_launch(head_dim):
-    """The q/k norms of SD3.5 (diffusers' ``RMSNorm``, weighted, over ``[B, T, heads, head_dim]`` rows, a view of
-    the projection): ``eager_rms_norm`` runs the forward kernel (rows shorter than 128 read element by element, as
-    torch's reduction reads them) and gives eager's bits."""
+    """The q/k norms of SD3.5 (diffusers' ``RMSNorm``, weighted, over ``[B, heads, T, head_dim]``, the projection's
+    view transposed): ``eager_rms_norm`` runs the forward kernel (rows shorter than 128 read element by element,
+    as torch's reduction reads them) on the rows in memory order, and gives eager's bits in eager's layout."""
     from h3_fused.kernels.eager_norm import eager_rms_norm, kernel_args
 
     g = torch.Generator(device="cuda").manual_seed(head_dim)
     projected = torch.randn(2, 4104, 38 * head_dim, generator=g, device="cuda").to(torch.bfloat16)
-    x = projected.view(2, 4104, 38, head_dim)
+    x = projected.view(2, 4104, 38, head_dim).transpose(1, 2)
     weight = (1 + torch.randn(head_dim, generator=g, device="cuda") / 4).to(torch.bfloat16)
-    assert kernel_args(x, weight, 1e-6, True) is not None
+    assert kernel_args(x.transpose(1, 2), weight, 1e-6, True) is not None
     x32 = x.float()
     expected = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6)).to(torch.bfloat16) * weight
     got = eager_rms_norm(x, weight, 1e-6, True)
+    assert got.stride() == expected.stride() == x.stride()
     assert torch.equal(got, expected), f"differs on {_diff(got, expected):.2e} of its elements"
 
 
