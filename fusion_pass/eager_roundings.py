@@ -15,7 +15,9 @@ drops whatever its eager-numerics settings say; under ``bf16`` the backend sets 
   fp32 divisions), and Triton divides approximately: a last place apart on about one element in eight. From
   torch 2.12 Inductor's one is an fp32 constant. ``divide_reciprocals`` writes an fp32 ``reciprocal(x)`` as
   ``div(full([], 1.0), x)``, an fp32 division that setting rounds as eager does, and one of bf16 or fp16 as that
-  division of ``x`` in fp32 cast back, as eager's kernel computes it.
+  division of ``x`` in fp32 cast back, as eager's kernel computes it. That widening is written with its dtype as
+  a keyword argument too: ``x`` is often a narrowing cast itself (``1 / t.to(bf16)``), and the pair would be the
+  round trip ``pointless_convert`` drops, rounding ``t`` no more.
 
 Nothing else changes: a cast with other readers, an fp64 reciprocal (Triton divides fp64 correctly rounded) are
 left as they are.
@@ -90,7 +92,9 @@ NARROW_FLOATS = (torch.bfloat16, torch.float16)
 
 def divide_reciprocals(graph: Graph) -> None:
     """Each fp32 ``reciprocal(x)`` as ``div(full([], 1.0, fp32), x)``; one of bf16 or fp16 as
-    ``convert(div(full([], 1.0, fp32), convert(x, fp32)), dtype)`` (eager's kernel divides in fp32 and rounds)."""
+    ``convert(div(full([], 1.0, fp32), convert(x, dtype=fp32)), dtype=dtype)`` (eager's kernel divides in fp32 and
+    rounds; both casts' dtypes by keyword, out of ``pointless_convert``'s reach where ``x`` is a narrowing cast or
+    the result is widened)."""
     for node in graph.find_nodes(op="call_function", target=RECIPROCAL):
         value = node.meta.get("val")
         dtype = value.dtype if isinstance(value, torch.Tensor) else None
@@ -102,12 +106,12 @@ def divide_reciprocals(graph: Graph) -> None:
                                       {"dtype": torch.float32, "device": value.device, "pin_memory": False})
             one.meta["val"] = value.new_ones((), dtype=torch.float32)
             if dtype in NARROW_FLOATS:
-                x = graph.call_function(CAST, (x, torch.float32))
+                x = graph.call_function(CAST, (x,), {"dtype": torch.float32})
                 x.meta["val"] = value.to(torch.float32)
                 quotient = graph.call_function(torch.ops.aten.div.Tensor, (one, x))
                 quotient.meta["val"] = x.meta["val"]
         if dtype in NARROW_FLOATS:
-            _replace(graph, node, CAST, (quotient, dtype), {})
+            _replace(graph, node, CAST, (quotient,), {"dtype": dtype})
         else:
             _replace(graph, node, torch.ops.aten.div.Tensor, (one, x), {})
 
