@@ -12,8 +12,10 @@
    the compiled variants, the sites the pass fused.
 2. ``blocks``: ``examples/dit_family.py``'s models at the released dims with 2 blocks, eager, Inductor with
    ``emulate_precision_casts`` and h3_fused (``bf16``), whole-model and by repeated blocks: ms per forward
-   (``do_bench``, a call as a user makes it), CUDA kernels per forward, and whether the output is eager's bit
-   for bit (``equal``; ``mismatch``: the share of elements that differ).
+   (``do_bench``, a call as a user makes it), CUDA kernels per forward and their device time by kind
+   (``device_ms``: h3_fused's, Inductor's, matmuls, attention, other; ``total``: what the GPU spent, against
+   ``ms``, what the call took), and whether the output is eager's bit for bit (``equal``; ``mismatch``: the
+   share of elements that differ).
 One JSON list of rows in ``--out`` (overwritten after each model).
 """
 
@@ -34,7 +36,7 @@ from h3_fused.kernels.testing import (
 )
 from h3_fused.toolkit_libdevice import link_toolkit_libdevice
 from record import run_parts
-from timing import copy_bandwidth, copy_same_bytes_ms, cuda_kernels, graph_ms, mismatch
+from timing import copy_bandwidth, copy_same_bytes_ms, cuda_kernels, device_us_by_kind, graph_ms, mismatch
 from torch._dynamo.utils import counters
 from triton.testing import do_bench
 
@@ -145,15 +147,20 @@ def blocks_part(models, rows: list, save) -> None:
                     ms = do_bench(call, return_mode="median")
                 finally:
                     gc.enable()
-                kernels = len(cuda_kernels(call))
+                kernels = cuda_kernels(call)
+            device_us = device_us_by_kind(kernels)
             rows.append(dict(part="blocks", model=model_name, variant=variant, mode="regional" if regional else "whole",
-                             T=family.tokens[1], ms=ms, kernels=kernels, equal=torch.equal(got, expected),
+                             T=family.tokens[1], ms=ms, kernels=len(kernels),
+                             device_ms={kind: us / 1000 for kind, us in device_us.items()},
+                             equal=torch.equal(got, expected),
                              mismatch=(got != expected).float().mean().item(),
                              fused=sum(counters["h3_fused"][k] for k in ("norm_modulate", "gate_norm_modulate",
                                                                           "gate_residual"))))
             r = rows[-1]
-            print(f"{model_name:13s} {variant:14s} {r['mode']:8s} {ms:8.3f} ms {kernels:4d} kernels "
-                  f"equal {r['equal']} (mismatch {r['mismatch']:.1e}) fused {r['fused']}", flush=True)
+            kinds = " ".join(f"{kind} {t:.2f}" for kind, t in r["device_ms"].items() if kind != "total")
+            print(f"{model_name:13s} {variant:14s} {r['mode']:8s} {ms:8.3f} ms {r['kernels']:4d} kernels "
+                  f"(device {r['device_ms']['total']:.2f} ms: {kinds}) equal {r['equal']} "
+                  f"(mismatch {r['mismatch']:.1e}) fused {r['fused']}", flush=True)
             del model, inputs, expected, got, fn
             save()
 

@@ -44,7 +44,7 @@ from triton.testing import do_bench
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 from minimax_h3 import H3Config, H3Model, TokenLayout, euler_sample, example_inputs, init_weights  # noqa: E402
 from record import write_results  # noqa: E402
-from timing import cuda_kernels  # noqa: E402
+from timing import cuda_kernels, device_us_by_kind, kernel_kind  # noqa: E402
 
 TOKENS = 15808
 # the eager-numerics settings the bf16 policy turns on beyond emulate_precision_casts, off
@@ -80,11 +80,10 @@ def compile_regional(model, variant):
 
 
 def profile_kernels(fn) -> tuple[int, float, float, int]:
-    """(CUDA kernels, total kernel us, fused-modulation kernel us, fused-modulation kernels) of one call."""
+    """(CUDA kernels, total kernel us, h3_fused's kernels' us, h3_fused's kernels) of one call."""
     kernels = cuda_kernels(fn)
-    total = sum(e.device_time for e in kernels)
-    fused = [e for e in kernels if "modulation_kernel" in e.name]
-    return len(kernels), total, sum(e.device_time for e in fused), len(fused)
+    us = device_us_by_kind(kernels)
+    return len(kernels), us["total"], us["h3_fused"], sum(kernel_kind(e.name) == "h3_fused" for e in kernels)
 
 
 def block_level(rows):
@@ -216,7 +215,7 @@ def diffusers_model(rows, blocks, rounds):
             calls[level, variant] = call
             measured[level, variant] = dict(
                 level=level, variant=variant, blocks=blocks if level == "diffusers" else 1, T=TOKENS,
-                kernels=len(kernels), fused_kernels=sum("modulation_kernel" in e.name for e in kernels),
+                kernels=len(kernels), fused_kernels=sum(kernel_kind(e.name) == "h3_fused" for e in kernels),
                 counters=dict(counters["h3_fused"]))
     times = collections.defaultdict(list)
     for _ in tqdm(range(rounds), desc="diffusers rounds"):

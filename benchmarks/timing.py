@@ -6,13 +6,15 @@
   of the GPU's clocks between them cancels in the medians (how kernel changes are compared: side by side).
 - ``copy_bandwidth``: the roof, a 2 GiB device-to-device copy measured in the same run; ``copy_same_bytes``
   a copy of a given byte count timed as the kernels are (ramp-up and tail included).
-- ``cuda_kernels``: the kernels one call launches (``torch.profiler``).
+- ``cuda_kernels``: the kernels one call launches (``torch.profiler``); ``kernel_kind`` and ``device_us_by_kind``
+  sort them by what launched them (h3_fused's kernels, Inductor's, matmuls, attention, other).
 
 What they measured is written by ``record.write_results``.
 """
 
 from __future__ import annotations
 
+import re
 import statistics
 
 import torch
@@ -89,3 +91,23 @@ def cuda_kernels(fn) -> list:
         fn()
         torch.cuda.synchronize()
     return [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+KERNEL_KINDS = (  # a CUDA kernel's kind, by its name: the first pattern that matches (else "other")
+    ("h3_fused", re.compile(r"modulation(_backward)?_kernel|reduce_partials_kernel")),
+    ("inductor", re.compile(r"^triton_")),
+    ("matmul", re.compile(r"gemm|nvjet|xmma|cutlass|cublas", re.IGNORECASE)),
+    ("attention", re.compile(r"flash|fmha|attention", re.IGNORECASE)),
+)
+
+
+def kernel_kind(name: str) -> str:
+    return next((kind for kind, pattern in KERNEL_KINDS if pattern.search(name)), "other")
+
+
+def device_us_by_kind(kernels: list) -> dict[str, float]:
+    """The device time (us) of ``cuda_kernels``' events, summed by ``kernel_kind``, and ``"total"``."""
+    by_kind = dict.fromkeys([kind for kind, _ in KERNEL_KINDS] + ["other"], 0.0)
+    for e in kernels:
+        by_kind[kernel_kind(e.name)] += e.device_time
+    return {**by_kind, "total": sum(by_kind.values())}
