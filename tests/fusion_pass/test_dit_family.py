@@ -12,7 +12,7 @@ import pytest
 import torch
 from dit_family import MODELS, compare
 from h3_fused.kernels.testing import TABLE_PLUS_ROWS, FamilyForm, family_eager_site, family_inputs
-from helpers import inductor_matches_eager_on_cpu
+from helpers import inductor_matches_eager_on_cpu, inductor_matches_eager_transcendentals_on_cpu
 from torch._dynamo.utils import counters
 
 WHOLE = {  # site A, site B, site C
@@ -59,7 +59,8 @@ def test_every_site_fuses_and_bf16_computes_what_eager_computes(name, mode):
     expected = (WHOLE if mode == "whole" else REGIONAL)[name]
     assert tuple(r["sites"].values()) == expected, r
     assert r["refused"] == 0, r["reasons"]
-    if inductor_matches_eager_on_cpu():
+    # a whole graph also holds the timestep embedding's exp, sin and cos, Inductor's own code on the CPU
+    if inductor_matches_eager_on_cpu() and (mode == "regional" or inductor_matches_eager_transcendentals_on_cpu()):
         assert r["equal"], r
     else:
         assert r["max_diff"] <= 0.05, r
