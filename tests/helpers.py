@@ -227,7 +227,11 @@ class GraphSpy:
         return [t for g in self.graphs for t in g if any(s in t for s in SCATTERS)]
 
 
-def assert_gradients_close(got: dict, expected: dict, rel=2e-2):
+def assert_gradients_close(got: dict, expected: dict, rel: float | None = None):
+    """Each gradient within ``rel`` of eager's in norm: by default 2%, or 5% where Inductor's C++ code drops
+    eager's intermediate bf16 roundings (``inductor_matches_eager_on_cpu``: torch 2.11, 2.12), as plain Inductor's
+    gradients then do too (with 2.12, 1.9% off eager on a weight of Qwen-Image-Edit's q norm)."""
+    rel = rel if rel is not None else 2e-2 if inductor_matches_eager_on_cpu() else 5e-2
     assert got.keys() == expected.keys()
     for name, g in got.items():
         e = expected[name].float()
