@@ -37,16 +37,13 @@ def probed_inductor_numerics(request):
     compiles C++, which costs a minute on a fresh machine."""
     if all({"gpu", "interpreted"} & set(item.keywords) for item in request.session.items):
         return None
-    from helpers import inductor_matches_eager_on_cpu, inductor_matches_eager_transcendentals_on_cpu
+    from helpers import inductor_matches_eager_on_cpu
 
     matches = inductor_matches_eager_on_cpu()
     if not matches:
         warnings.warn(f"torch {torch.__version__}: Inductor does not reproduce eager's bf16 roundings on the "
                       "CPU; whole-graph bf16 outputs are held to the fp32 policy's bound (README, supported "
                       "versions)", stacklevel=1)
-    elif not inductor_matches_eager_transcendentals_on_cpu():
-        warnings.warn(f"torch {torch.__version__}: Inductor's exp, sin and cos differ from eager's on this CPU; "
-                      "whole diffusers models under bf16 are held to the fp32 policy's bound", stacklevel=1)
     return matches
 
 

@@ -8,6 +8,8 @@ cross-attention between a gated residual and the next norm, so there the residua
 By blocks: one compiled graph per block class (and per signature), whose sites are counted once.
 """
 
+import warnings
+
 import pytest
 import torch
 from dit_family import MODELS, compare
@@ -63,6 +65,9 @@ def test_every_site_fuses_and_bf16_computes_what_eager_computes(name, mode):
     if inductor_matches_eager_on_cpu() and (mode == "regional" or inductor_matches_eager_transcendentals_on_cpu()):
         assert r["equal"], r
     else:
+        if mode == "whole" and inductor_matches_eager_on_cpu():
+            warnings.warn("Inductor's exp, sin and cos differ from eager's on this CPU: a whole model is held to the "
+                          "fp32 policy's bound", stacklevel=1)
         assert r["max_diff"] <= 0.05, r
 
 
