@@ -30,6 +30,11 @@ class SumOrder(enum.IntEnum):
     FUSED_LAYER_NORM = 3
 
 
+# from this H torch's generic reduction reads a row in 4-element vectors (``setReduceConfig``), below it element by
+# element: the lanes' sums of ``SumOrder.MEAN`` take the one layout or the other
+MEAN_VECTORS_MIN_H = 128
+
+
 @dataclass(frozen=True)
 class Rounding:
     """Where the fused computation rounds to the activation dtype ``A`` (``R_A``), besides the stored

@@ -52,12 +52,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .contract import SumOrder
+from .contract import MEAN_VECTORS_MIN_H, SumOrder
 from .device_math import mul_rn, rounded, rounded_product, rsqrt, sum_rounded_once, widened
 
 OWN_ORDER = tl.constexpr(SumOrder.OWN.value)
 FUSED_RMS_NORM_ORDER = tl.constexpr(SumOrder.FUSED_RMS_NORM.value)
 MEAN_ORDER = tl.constexpr(SumOrder.MEAN.value)
+MEAN_VECTORS_FROM_H = tl.constexpr(MEAN_VECTORS_MIN_H)
 FUSED_LAYER_NORM_ORDER = tl.constexpr(SumOrder.FUSED_LAYER_NORM.value)
 EAGER_THREADS = tl.constexpr(128)  # the threads of a row in torch's fused RMSNorm and LayerNorm CUDA kernels
 
@@ -277,12 +278,12 @@ def _add_squares_as_mean(partial, u, zero):
 @triton.jit
 def _lane_sums(partial, HIDDEN: tl.constexpr):
     """The 4 sums of each lane of torch's generic reduction from the squares ``partial`` (``[BLOCK_T, CHUNK]``),
-    as ``[BLOCK_T, CHUNK // 4, 4]``: from ``H`` = 128 on the chunk's columns ``4l .. 4l + 3`` (lane ``l``'s
-    vectors); below it (the reduction does not vectorize a row shorter than 128, ``setReduceConfig``), one
+    as ``[BLOCK_T, CHUNK // 4, 4]``: from ``H`` = ``MEAN_VECTORS_MIN_H`` on the chunk's columns ``4l .. 4l + 3``
+    (lane ``l``'s vectors); below it (the reduction does not vectorize a shorter row, ``setReduceConfig``), one
     chunk of ``4L`` columns read element-strided, whose column ``l + L*i`` is lane ``l``'s sum ``i``."""
     BT: tl.constexpr = partial.shape[0]
     LANES: tl.constexpr = partial.shape[1] // 4
-    if HIDDEN >= 128:
+    if HIDDEN >= MEAN_VECTORS_FROM_H:
         sums = tl.reshape(partial, [BT, LANES, 4])
     else:
         sums = tl.permute(tl.reshape(partial, [BT, 4, LANES]), (0, 2, 1))

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from .arguments import ModulationArgs
-from .contract import Rounding, SumOrder
+from .contract import MEAN_VECTORS_MIN_H, Rounding, SumOrder
 from .forward_kernel import modulation_kernel
 from .launch_plan import KernelLaunch, row_stride, specialisation
 from .runtime import ceil_div, interpreting
@@ -26,7 +26,6 @@ MIN_WARPS = 4  # the fewest warps a program runs on (but in the mean's order, ME
 MEAN_ORDER_WARPS = 2  # a program's warps where the squares add in the mean's order: one row on 64 threads
 MEAN_ORDER_MIN_ROWS = 16  # from this many rows torch's mean gives a row one warp (the order reproduced)
 MEAN_ORDER_MIN_H = 16  # the narrowest row whose mean's order was measured
-MEAN_ORDER_VECTORS_MIN_H = 128  # from this H torch's reduction reads a row in 4-element vectors (``setReduceConfig``)
 # torch's reduction gives a row one warp while each lane sums fewer than 256 of its values (``div_up(H, 32) < 256``,
 # ``setReduceConfig`` in ATen's Reduce.cuh); a wider row it splits over 16 warps, an order not reproduced
 MEAN_ORDER_MAX_H = 8160
@@ -75,7 +74,7 @@ def sum_order_chunk(hidden: int, sum_order: SumOrder) -> int | None:
     """The chunk width the order ``sum_order`` needs (None: any): one 4-element vector per eager thread, 128
     threads for the fused RMSNorm (512 columns, or the padded row), for the mean one warp's lanes, as many as
     the row's vectors allow (``4 * min(32, last power of 2 <= H / 4)``; a row the reduction reads element by
-    element, below ``MEAN_ORDER_VECTORS_MIN_H``, as many as its elements allow, 4 sums each: one chunk of
+    element, below ``MEAN_VECTORS_MIN_H``, as many as its elements allow, 4 sums each: one chunk of
     ``4 * min(32, last power of 2 <= H)``, wider than the row); for the LayerNorm 512 columns whatever
     ``H``, since its tree is over all of eager's 128 threads (a combine with a thread that read nothing is not
     always exact, unlike adding 0)."""
@@ -84,7 +83,7 @@ def sum_order_chunk(hidden: int, sum_order: SumOrder) -> int | None:
     if sum_order is SumOrder.FUSED_RMS_NORM:
         return min(1 << (int(hidden) - 1).bit_length(), 512)
     if sum_order is SumOrder.MEAN:
-        lanes_reach = int(hidden) // 4 if hidden >= MEAN_ORDER_VECTORS_MIN_H else int(hidden)
+        lanes_reach = int(hidden) // 4 if hidden >= MEAN_VECTORS_MIN_H else int(hidden)
         return 4 * min(32, 1 << (lanes_reach.bit_length() - 1))
     return None
 
@@ -99,7 +98,7 @@ def launch_config(hidden: int, has_gate: bool, has_norm: bool, rows: int | None,
     number reads, so that the order costs no exchange between threads. For the mean's order one row a program
     on ``MEAN_ORDER_WARPS`` warps, in chunks of one vector per lane of eager's warp (128 columns: 2 a thread);
     the lanes' sums meet in the final tree, whose adds are eager's whichever thread holds them. A row shorter
-    than ``MEAN_ORDER_VECTORS_MIN_H`` is one chunk: the rows per program as the other orders take them. (One warp a
+    than ``MEAN_VECTORS_MIN_H`` is one chunk: the rows per program as the other orders take them. (One warp a
     row, eager's lane a thread, holds 4 times the registers; 4 warps a row hold half the columns a thread but
     gain less: docs/DESIGN.md.)
 
@@ -134,7 +133,7 @@ def launch_config(hidden: int, has_gate: bool, has_norm: bool, rows: int | None,
     if sum_order is not SumOrder.OWN:
         num_warps, chunk = MIN_WARPS, sum_order_chunk(hidden, sum_order)
         block_t = min(block_t, max(1, 2048 // chunk))  # a chunk wider than the row (the LayerNorm's) holds fewer rows
-        if sum_order is SumOrder.MEAN and hidden >= MEAN_ORDER_VECTORS_MIN_H:
+        if sum_order is SumOrder.MEAN and hidden >= MEAN_VECTORS_MIN_H:
             block_t, num_warps = 1, MEAN_ORDER_WARPS
     tables = has_norm and has_affine
     preload = tables and (has_gate or hidden > SITE_A_NARROW_H or at_most(SITE_A_FEW_ROWS))
