@@ -99,9 +99,9 @@ def inductor_matches_eager_on_cpu() -> bool:
 def inductor_matches_eager_transcendentals_on_cpu() -> bool:
     """Whether Inductor's C++ code computes fp32 ``exp``, ``sin`` and ``cos`` as eager's kernels do on this CPU:
     a sinusoidal timestep embedding, as a DiT's whole graph computes it (diffusers' ``get_timestep_embedding``).
-    Vectorized math differs between CPUs and their vector widths (an AMD EPYC with AVX-512 and torch 2.13: 67% of
-    a 256-wide embedding equal, where other CI machines gave all): then no whole model compiled by Inductor is
-    eager's bits there, whatever the pass does, and the whole-model tests hold it to the ``fp32`` bound."""
+    Vectorized math differs between CPUs and their vector widths (docs/RELIABILITY.md: an AMD EPYC with AVX-512):
+    then no whole model compiled by Inductor is eager's bits there, whatever the pass does, and the whole-model
+    tests hold it to the ``fp32`` bound."""
 
     def embedding(t):
         half = torch.exp(-math.log(10000.0) * torch.arange(128, dtype=torch.float32) / 128)
@@ -229,8 +229,8 @@ class GraphSpy:
 
 def assert_gradients_close(got: dict, expected: dict, rel: float | None = None):
     """Each gradient within ``rel`` of eager's in norm: by default 2%, or 5% where Inductor's C++ code drops
-    eager's intermediate bf16 roundings (``inductor_matches_eager_on_cpu``: torch 2.11, 2.12), as plain Inductor's
-    gradients then do too (with 2.12, 1.9% off eager on a weight of Qwen-Image-Edit's q norm)."""
+    eager's intermediate bf16 roundings (``inductor_matches_eager_on_cpu``: torch 2.11, 2.12), where plain
+    Inductor's gradients stray from eager's about as far."""
     rel = rel if rel is not None else 2e-2 if inductor_matches_eager_on_cpu() else 5e-2
     assert got.keys() == expected.keys()
     for name, g in got.items():
