@@ -11,7 +11,8 @@
    bandwidth), ``mismatch`` (the share of the outputs' elements not eager's bits) and, for
    the compiled variants, the sites the pass fused.
 2. ``blocks``: ``examples/dit_family.py``'s models at the released dims with 2 blocks, eager, Inductor with
-   ``emulate_precision_casts`` and h3_fused (``bf16``), whole-model and by repeated blocks: ms per forward
+   ``emulate_precision_casts``, h3_fused (``bf16``) and h3_fused with ``eager_norms=False`` (what eager's bits
+   outside the sites cost), whole-model and by repeated blocks: ms per forward
    (``do_bench``, a call as a user makes it), CUDA kernels per forward and their device time by kind
    (``device_ms``: h3_fused's, Inductor's, matmuls, attention, other; ``total``: what the GPU spent, against
    ``ms``, what the call took), and whether the output is eager's bit for bit (``equal``; ``mismatch``: the
@@ -61,7 +62,12 @@ SITE_VARIANTS = {  # name -> (backend, options); None: eager
     "inductor_epc": ("inductor", {"emulate_precision_casts": True}),
     "h3_fused_bf16": ("h3_fused", {"dtype_policy": "bf16"}),
 }
-BLOCK_VARIANTS = {k: SITE_VARIANTS[k] for k in ("eager", "inductor_epc", "h3_fused_bf16")}
+BLOCK_VARIANTS = {
+    **{k: SITE_VARIANTS[k] for k in ("eager", "inductor_epc", "h3_fused_bf16")},
+    # the price of eager's bits outside the sites: the q/k norms and LayerNorms with their bias left to Inductor,
+    # which fuses them with their neighbours (rotary, residual) in its own order of the sums
+    "h3_fused_bf16_inductor_norms": ("h3_fused", {"dtype_policy": "bf16", "eager_norms": False}),
+}
 
 
 def link_libdevice_first() -> None:
@@ -158,7 +164,7 @@ def blocks_part(models, rows: list, save) -> None:
                                                                           "gate_residual"))))
             r = rows[-1]
             kinds = " ".join(f"{kind} {t:.2f}" for kind, t in r["device_ms"].items() if kind != "total")
-            print(f"{model_name:13s} {variant:14s} {r['mode']:8s} {ms:8.3f} ms {r['kernels']:4d} kernels "
+            print(f"{model_name:13s} {variant:28s} {r['mode']:8s} {ms:8.3f} ms {r['kernels']:4d} kernels "
                   f"(device {r['device_ms']['total']:.2f} ms: {kinds}) equal {r['equal']} "
                   f"(mismatch {r['mismatch']:.1e}) fused {r['fused']}", flush=True)
             del model, inputs, expected, got, fn

@@ -42,7 +42,8 @@ NORM_NAMES = {"rms": "RMSNorm", "layer": "LayerNorm"}
 
 
 def replace_norms(graph: Graph, options: FusionOptions) -> int:
-    """Put ``h3_fused::eager_rms_norm`` or ``h3_fused::eager_layer_norm`` where ``graph`` has an RMSNorm or a
+    """Put ``h3_fused::eager_rms_norm`` (or its statistics, ``eager_rms_norm_rstd``, where an elementwise op reads
+    the norm: ``patterns.norms.replace_norm``) or ``h3_fused::eager_layer_norm`` where ``graph`` has an RMSNorm or a
     LayerNorm outside its sites, on tensors whose policy is ``bf16`` (with ``options.eager_norms``); the number
     replaced."""
     if not options.eager_norms:
@@ -57,6 +58,8 @@ def replace_norms(graph: Graph, options: FusionOptions) -> int:
         kept += 1
         op = f"eager_{found.norm.kind}_norm"
         count(op)
-        log.debug("h3_fused: the %s %s%s computed as eager computes it (h3_fused::%s)", NORM_NAMES[found.norm.kind],
-                  name, where, op)
+        how = (f"h3_fused::{op}_rstd, its products left to Inductor to fuse into what reads them"
+               if found.statistics_alone else f"h3_fused::{op}")
+        log.debug("h3_fused: the %s %s%s computed as eager computes it (%s)", NORM_NAMES[found.norm.kind], name,
+                  where, how)
     return kept

@@ -165,6 +165,7 @@ class ModulationArgs:
     gate_bias: torch.Tensor | None = None  # [H] rows added to the given rows (all of them or none)
     shift_bias: torch.Tensor | None = None
     scale_bias: torch.Tensor | None = None
+    stores_rstd: bool = False  # a plain RMSNorm storing each row's r = rsqrt(mean(x^2) + eps) (fp32) instead of y
 
     @property
     def row_bias(self) -> bool:
@@ -234,11 +235,11 @@ class ModulationArgs:
 def check_args(*, x=None, residual=None, branch=None, gate=None, weight=None, shift=None, scale=None,
                index=None, gate_bias=None, shift_bias=None, scale_bias=None, eps: float = 0.0, policy: str,
                norm_rounds_before_weight: bool = False, upcast_tables: bool = False, has_norm: bool,
-               norm: str = "rms", norm_in_fp32: bool = False) -> ModulationArgs:
+               norm: str = "rms", norm_in_fp32: bool = False, stores_rstd: bool = False) -> ModulationArgs:
     """The checked arguments of a site (tables gathered by ``index``, or rows given without one, maybe with
     biases), or of a plain norm of ``x`` (``has_norm``, no tables, no index). ``norm``: ``"rms"`` or ``"layer"``;
     ``norm_in_fp32``: the norm is computed on the activations upcast to fp32 and its output is not rounded (the
-    affine then fp32)."""
+    affine then fp32); ``stores_rstd``: a plain RMSNorm without weight whose output is each row's ``r``."""
     check_policy(policy)
     if norm not in NORMS:
         raise ValueError(f"norm must be one of {NORMS}, got {norm!r}")
@@ -259,6 +260,8 @@ def check_args(*, x=None, residual=None, branch=None, gate=None, weight=None, sh
     plain_norm = has_norm and x is not None and not given
     if plain_norm and index is not None:
         raise ValueError("index must be None for a norm without modulation tables")
+    if stores_rstd and not (plain_norm and norm == "rms" and weight is None):
+        raise ValueError("stores_rstd takes a plain RMSNorm of x without weight, modulation rows or index")
     copies = modulation_copies(shift, scale, 2 if index is not None else len(shape)) if has_norm else None
     if index is not None:
         check_tensor("index", index, INDEX_DTYPES)
@@ -308,4 +311,5 @@ def check_args(*, x=None, residual=None, branch=None, gate=None, weight=None, sh
         index=index.reshape(-1).contiguous() if index is not None else None, out_shape=shape, dtype=dtype,
         device=device, eps=float(eps), policy=resolved, rounding=rounding, has_norm=has_norm, norm=norm,
         copies=copies, gate_bias=biases.get("gate"), shift_bias=biases.get("shift"), scale_bias=biases.get("scale"),
+        stores_rstd=stores_rstd,
     )

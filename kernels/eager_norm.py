@@ -16,11 +16,17 @@ per-head q/k norms, a token refiner's norms, a cross-attention's LayerNorm with 
   ``h3_fused::eager_kernels_rms_norm``, a custom op whose body is the spelling's eager operations, which Inductor
   calls as they are.
 
+``eager_rms_norm_rstd`` is an RMSNorm's statistics alone, ``r = rsqrt(mean(x32^2) + eps)`` per row, eager's bits
+(the forward kernel storing ``r`` where it reproduces eager's order, else eager's own ops): the pass applies them
+in the graph (``R(x32 * r * w32)``, or ``R(R(x32 * r) * w)``: products, which Inductor computes as eager does), so
+that Inductor fuses the normalization into what reads it (the rotary embedding) as it would the norm.
+
 ``eager_layer_norm`` is ``F.layer_norm`` itself, called as it is (its bias is one more term than the forward
 kernel's norm has).
 
-Either way the price is the fusion Inductor would have made of the norm with its neighbours (RoPE, for q and k;
-the residual add before a LayerNorm): the normalized rows are written and read once more.
+Where a whole norm is one op the price is the fusion Inductor would have made of the norm with its neighbours
+(RoPE, for q and k; the residual add before a LayerNorm): the normalized rows are written and read once more. With
+its statistics alone the price is one more read of the norm's input.
 """
 
 from __future__ import annotations
@@ -74,14 +80,16 @@ def _(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float) -> Tens
     return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
 
-def kernel_args(x: Tensor, weight: Tensor | None, eps: float, rounds_before_weight: bool) -> ModulationArgs | None:
+def kernel_args(x: Tensor, weight: Tensor | None, eps: float, rounds_before_weight: bool,
+                stores_rstd: bool = False) -> ModulationArgs | None:
     """The plain-RMSNorm arguments of the forward kernel where it computes this norm in eager's order (on CUDA,
-    the weight absent or of ``x``'s dtype, rows and a width ``launch.norm_sum_order`` reproduces), else None."""
+    the weight absent or of ``x``'s dtype, rows and a width ``launch.norm_sum_order`` reproduces), else None;
+    ``stores_rstd``: its statistics alone."""
     if (x.device.type != "cuda" or x.dtype not in KERNEL_DTYPES or x.dim() < 1 or x.numel() == 0
             or (weight is not None and (weight.dtype != x.dtype or weight.device != x.device))):
         return None
     a = check_args(x=x, weight=weight, eps=eps, policy="bf16", norm_rounds_before_weight=rounds_before_weight,
-                   has_norm=True)
+                   has_norm=True, stores_rstd=stores_rstd)
     return a if norm_sum_order(a.rounding, a.hidden, True, a.static_rows) is not SumOrder.OWN else None
 
 
@@ -112,3 +120,39 @@ def eager_rms_norm(x: Tensor, weight: Tensor | None, eps: float, rounds_before_w
     with launch_context(a.device, (x, weight, eps, rounds_before_weight)) as wrap:
         launch_modulation(a, None, y, wrap)
     return y if order is None else y.permute(sorted(range(x.dim()), key=order.__getitem__))
+
+
+@torch.library.custom_op("h3_fused::eager_kernels_rms_norm_rstd", mutates_args=())
+def eager_kernels_rms_norm_rstd(x: Tensor, eps: float, rounds_before_weight: bool) -> Tensor:
+    """``eager_rms_norm_rstd`` computed by the eager operations of the spelling the graph had, ``[..., 1]``:
+
+    - ``rounds_before_weight`` false: the ``rstd`` of ``aten._fused_rms_norm`` (on CUDA torch's fused RMSNorm kernel,
+      which ``F.rms_norm`` runs);
+    - true, the native spelling: ``rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)``.
+    """
+    if not rounds_before_weight:
+        return torch.ops.aten._fused_rms_norm(x, [x.shape[-1]], None, eps)[1].reshape(*x.shape[:-1], 1)
+    return torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+
+
+@eager_kernels_rms_norm_rstd.register_fake
+def _(x: Tensor, eps: float, rounds_before_weight: bool) -> Tensor:
+    return torch.empty((*x.shape[:-1], 1), dtype=torch.float32, device=x.device)
+
+
+@triton_op("h3_fused::eager_rms_norm_rstd", mutates_args=())
+def eager_rms_norm_rstd(x: Tensor, eps: float, rounds_before_weight: bool) -> Tensor:
+    """The statistics of ``eager_rms_norm(x, weight, eps, rounds_before_weight)``: ``r = rsqrt(mean(x32^2) + eps)``
+    per row of ``x`` (``x32`` = ``x`` in fp32), fp32, ``[..., 1]``, bit for bit as the eager spelling computes it
+    (the weight takes no part). The forward kernel storing ``r`` where ``kernel_args`` says it reproduces eager's
+    order (a dense ``x``'s rows read in the order of its memory, ``r`` laid out as ``x``'s rows), else
+    ``eager_kernels_rms_norm_rstd``."""
+    order = memory_order(x)
+    rows = x if order is None else x.permute(order)
+    a = kernel_args(rows, None, eps, rounds_before_weight, stores_rstd=True)
+    if a is None:
+        return eager_kernels_rms_norm_rstd(x, eps, rounds_before_weight)
+    r = torch.empty((*rows.shape[:-1], 1), dtype=torch.float32, device=a.device)
+    with launch_context(a.device, (x, eps, rounds_before_weight)) as wrap:
+        launch_modulation(a, None, r, wrap)
+    return r if order is None else r.permute(sorted(range(x.dim()), key=order.__getitem__))

@@ -23,6 +23,8 @@ Per row ``t`` (``i = index[t]``, arithmetic in fp32 unless said below, ``R`` = r
                the one norm)
     plain RMSNorm (A without HAS_AFFINE: no tables, no index):
                y = R(n)                        -> stored
+      or, STORE_RSTD (its statistics alone):
+               r                               -> stored (fp32, one per row, at y)
 
 The ``ROUND_*``, ``FUSE_MULTIPLY_ADD`` and ``NORM_SUM_ORDER`` constexprs are ``contract.Rounding``'s fields,
 one for one (``NORM_SUM_ORDER``: a ``contract.SumOrder``, compared here with ``OWN_ORDER``,
@@ -464,8 +466,8 @@ def modulation_kernel(
     LAYER_NORM: tl.constexpr, ROUND_GATE: tl.constexpr, ROUND_NORM: tl.constexpr,
     ROUND_NORM_BEFORE_WEIGHT: tl.constexpr, ROUND_AFFINE: tl.constexpr, ROUND_ROW_SUM: tl.constexpr,
     FUSE_MULTIPLY_ADD: tl.constexpr, NORM_SUM_ORDER: tl.constexpr, INTERPRETED: tl.constexpr,
-    BLOCK_T: tl.constexpr, CHUNK: tl.constexpr, PRELOAD_TABLE_CHUNKS: tl.constexpr, WARM_ROWS_AHEAD: tl.constexpr,
-    WARM_TABLES_FIRST: tl.constexpr, WARMING_LANES: tl.constexpr,
+    STORE_RSTD: tl.constexpr, BLOCK_T: tl.constexpr, CHUNK: tl.constexpr, PRELOAD_TABLE_CHUNKS: tl.constexpr,
+    WARM_ROWS_AHEAD: tl.constexpr, WARM_TABLES_FIRST: tl.constexpr, WARMING_LANES: tl.constexpr,
 ):
     """The forward of one site (the module docstring); the constexprs are ``launch.ForwardSpecialisation``'s."""
     program = tl.program_id(0).to(tl.int64)  # int64 throughout: no int32 overflow checks under debug=True
@@ -556,7 +558,9 @@ def modulation_kernel(
             else:
                 shifted = tl.fma(tl.sum(partial, axis=1), inverse_h, tl.cast(eps, tl.float32))
             r = rsqrt(shifted, INTERPRETED)
-            chunks: tl.constexpr = triton.cdiv(HIDDEN, CHUNK)
+            if STORE_RSTD:  # the statistics alone: the caller applies them (chunks below: none)
+                tl.store(y_ptr + rows, r, mask=row_ok)
+            chunks: tl.constexpr = 0 if STORE_RSTD else triton.cdiv(HIDDEN, CHUNK)
             # with copies, copy ``j``'s rows are table rows ``j * K`` on, or given rows' samples ``j * B`` on
             samples = 0
             if COPIES > 1:

@@ -163,7 +163,8 @@ class ForwardSpecialisation:
     (A, B; a plain norm has none) and how many modulations of the norm it stores, its rows gathered by the index
     or given (maybe with biases), a LayerNorm or an RMSNorm. The rounding contract (``contract.Rounding``): ``ROUND_*``,
     ``FUSE_MULTIPLY_ADD``, and ``NORM_SUM_ORDER`` (a ``contract.SumOrder``'s value, as ``norm_sum_order``
-    resolves it). ``INTERPRETED``: under Triton's interpreter. The ``LaunchConfig``: the rest."""
+    resolves it). ``INTERPRETED``: under Triton's interpreter. ``STORE_RSTD``: a plain RMSNorm stores its rows'
+    ``r`` alone. The ``LaunchConfig``: the rest."""
 
     HIDDEN: int
     HAS_GATE: bool
@@ -182,6 +183,7 @@ class ForwardSpecialisation:
     FUSE_MULTIPLY_ADD: bool
     NORM_SUM_ORDER: int
     INTERPRETED: bool
+    STORE_RSTD: bool
     BLOCK_T: int
     CHUNK: int
     PRELOAD_TABLE_CHUNKS: bool
@@ -199,7 +201,7 @@ class ForwardSpecialisation:
             LAYER_NORM=a.norm == "layer", ROUND_GATE=r.gate_product, ROUND_NORM=r.norm_output,
             ROUND_NORM_BEFORE_WEIGHT=r.norm_before_weight, ROUND_AFFINE=r.affine,
             ROUND_ROW_SUM=r.row_sum, FUSE_MULTIPLY_ADD=r.fused_multiply_add, NORM_SUM_ORDER=int(sum_order),
-            INTERPRETED=interpreting(),
+            INTERPRETED=interpreting(), STORE_RSTD=a.stores_rstd,
             BLOCK_T=config.block_t, CHUNK=config.chunk,
             PRELOAD_TABLE_CHUNKS=config.preload_table_chunks and a.has_norm,  # no tables without a norm: one C build
             WARM_ROWS_AHEAD=config.warm_rows_ahead, WARM_TABLES_FIRST=config.warm_tables_first,

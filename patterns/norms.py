@@ -1,6 +1,8 @@
 """The norms of a post-grad graph outside the modulation sites, and their replacement by eager's computation of
 them: ``torch.ops.h3_fused.eager_rms_norm`` for an RMSNorm, ``torch.ops.h3_fused.eager_layer_norm`` for a LayerNorm
-(eager's bits; ``h3_fused.kernels.eager_norm`` says why and how).
+(eager's bits; ``h3_fused.kernels.eager_norm`` says why and how). An RMSNorm on CUDA whose output an elementwise
+op reads (the rotary embedding of q and k) keeps only its statistics in an op, ``eager_rms_norm_rstd``, and its
+products in the graph, which Inductor fuses into that reader as it would the whole norm.
 
 A norm is matched from its output down, by the same structural matcher as a site's norm (``sites.match_norm``:
 ``nn.RMSNorm`` / ``F.rms_norm`` with one rounding, or the native spelling with two; ``nn.LayerNorm`` /
@@ -18,17 +20,19 @@ from dataclasses import dataclass
 import torch
 from torch.fx import Graph, Node
 
-from .graph_view import ADD, CONVERT, MUL, NoMatch, dtype_of, is_op, shape_of
+from .graph_view import ADD, CONVERT, MUL, NoMatch, aten, device_of, dtype_of, is_op, shape_of
 from .replacements import INHERITED_META, NORM_META, SITE_META, erase_unused, splice
 from .sites import ACTIVATION_DTYPES, Norm, check_interior, match_norm
 
 
 @dataclass
 class StandaloneNorm:
-    """A norm outside every site: its output node and what ``match_norm`` found."""
+    """A norm outside every site: its output node, what ``match_norm`` found, and whether it is replaced by its
+    statistics and its products (``applies_statistics``)."""
 
     output: Node
     norm: Norm
+    statistics_alone: bool = False
 
 
 def _is_candidate(node: Node) -> bool:
@@ -61,15 +65,49 @@ def find_norms(graph: Graph, refuse=lambda node, why: None, wanted=lambda node: 
                 refuse(node, why)
             refused.update(inside)
             continue
-        found.append(StandaloneNorm(node, norm))
+        found.append(StandaloneNorm(node, norm, applies_statistics(node, norm)))
         taken.update(inside)
     return found[::-1]
 
 
+# where Inductor's elementwise code computes the products of a norm applied from its statistics as eager's norm
+# kernel does (its C++ code on the CPU drops bf16 roundings before torch 2.13, and eager's CPU norm may vectorize
+# its products otherwise: there the whole norm stays one op)
+STATISTICS_ALONE_ON = ("cuda",)
+
+
+def _is_view(node: Node) -> bool:
+    schema = getattr(node.target, "_schema", None)
+    return bool(schema and schema.returns and schema.returns[0].alias_info and not schema.is_mutable)
+
+
+def read_elementwise(node: Node) -> bool:
+    """Whether an elementwise op (``torch.Tag.pointwise``, or a ``cat`` or ``stack`` of such values) reads
+    ``node``, directly or through views: where Inductor would fuse the norm's products into the reader."""
+    for user in node.users:
+        if user.op != "call_function" or not hasattr(user.target, "tags"):
+            continue
+        if torch.Tag.pointwise in user.target.tags or user.target in (aten.cat.default, aten.stack.default):
+            return True
+        if _is_view(user) and read_elementwise(user):
+            return True
+    return False
+
+
+def applies_statistics(output: Node, norm: Norm) -> bool:
+    """Whether the norm ``norm`` ending in ``output`` is replaced by its statistics and its products
+    (``replace_norm``): an RMSNorm on a device of ``STATISTICS_ALONE_ON``, its weight (if any) of its input's dtype
+    (with another, eager computes the norm by other ops), read by an elementwise op."""
+    device = device_of(output)
+    return (norm.kind == "rms" and device is not None and device.type in STATISTICS_ALONE_ON
+            and (norm.weight is None or dtype_of(norm.weight) == dtype_of(norm.x)) and read_elementwise(output))
+
+
 def replace_norm(graph: Graph, found: StandaloneNorm) -> Node:
-    """Put one ``eager_rms_norm`` or ``eager_layer_norm`` call where the norm was, traced under functionalization
-    (on CUDA, where ``eager_rms_norm`` launches the forward kernel, Inductor then inlines the kernel); returns the
-    node of its output. A LayerNorm is computed as the graph computes it, on its input upcast to fp32 with its
+    """Put one ``eager_rms_norm`` or ``eager_layer_norm`` call where the norm was, or (``found.statistics_alone``)
+    one ``eager_rms_norm_rstd`` call and the products ``eager_rms_norm`` computes from its ``r``, the same bits,
+    traced under functionalization (on CUDA, where the ops launch the forward kernel, Inductor then inlines the
+    kernel); returns the node of its output. A LayerNorm is computed as the graph computes it, on its input upcast to fp32 with its
     weight and bias upcast (exact), then rounded to the output's dtype: eager's ``F.layer_norm`` of the activations
     computes in fp32 and rounds once, the same bits."""
     norm, output = found.norm, found.output
@@ -77,7 +115,14 @@ def replace_norm(graph: Graph, found: StandaloneNorm) -> Node:
     dtype = dtype_of(output)
 
     def rms(x, weight=None):
-        return (torch.ops.h3_fused.eager_rms_norm(x, weight, norm.eps, norm.rounds_before_weight),)
+        if not found.statistics_alone:
+            return (torch.ops.h3_fused.eager_rms_norm(x, weight, norm.eps, norm.rounds_before_weight),)
+        # eager_rms_norm's products on its statistics: R(R(x32 * r) * w) for the native spelling, else R(x32 * r * w32)
+        normed = x.float() * torch.ops.h3_fused.eager_rms_norm_rstd(x, norm.eps, norm.rounds_before_weight)
+        if norm.rounds_before_weight:
+            out = normed.to(x.dtype)
+            return (out if weight is None else out * weight.to(x.dtype),)
+        return ((normed if weight is None else normed * weight.float()).to(x.dtype),)
 
     def layer(x, *values):
         given = {k: v.float() for k, v in zip(parameters, values)}

@@ -62,6 +62,21 @@ def test_bf16_computes_every_norm_outside_the_sites_with_eagers_kernels():
     assert_bf16_policy(got, expected)
 
 
+def test_where_elementwise_ops_read_them_the_norms_keep_only_their_statistics_in_an_op(monkeypatch):
+    """Each of the block's RMSNorms is read by a product or a sum: on CUDA (here the CPU, let in) each becomes
+    ``eager_rms_norm_rstd`` and the products of its spelling, which Inductor fuses with the reader: eager's bits."""
+    from h3_fused.patterns import norms
+
+    monkeypatch.setattr(norms, "STATISTICS_ALONE_ON", ("cuda", "cpu"))
+    seen = []
+    ops = torch.ops.h3_fused  # traced on the CPU: the ops' eager-kernels forms
+    expected, got = compile_and_run({"dtype_policy": "bf16"}, lambda graph: seen.append(
+        (fused_sites_in(graph), sum(n.target is ops.eager_kernels_rms_norm_rstd.default for n in graph.nodes),
+         sum(n.target is ops.eager_kernels_rms_norm.default for n in graph.nodes))))
+    assert seen == [(1, 4, 0)] and counters["h3_fused"]["eager_rms_norm"] == 4
+    assert_bf16_policy(got, expected)
+
+
 @pytest.mark.parametrize("options", [{"dtype_policy": "fp32"}, {"dtype_policy": "bf16", "eager_norms": False}],
                          ids=["fp32", "eager_norms_off"])
 def test_norms_stay_inductors_under_fp32_or_when_turned_off(options):

@@ -1,10 +1,11 @@
 """``h3_fused::eager_rms_norm``: eager's RMSNorm, bit for bit, by the forward kernel on CUDA where it reproduces the
-eager kernel's order, else by eager's own ops (``h3_fused::eager_kernels_rms_norm``)."""
+eager kernel's order, else by eager's own ops (``h3_fused::eager_kernels_rms_norm``); ``h3_fused::eager_rms_norm_rstd``:
+its statistics alone, the same ways."""
 
 import pytest
 import torch
 import torch.nn.functional as F
-from h3_fused.kernels import eager_rms_norm
+from h3_fused.kernels import eager_rms_norm, eager_rms_norm_rstd
 from h3_fused.kernels.eager_norm import kernel_args
 
 bf16 = torch.bfloat16
@@ -14,6 +15,21 @@ def native(x, weight, eps):
     x32 = x.float()
     out = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
     return out if weight is None else out * weight
+
+
+def eager_rstd(x, eps, rounds_before_weight):
+    """The ``r`` eager's spelling computes: the native mean's, or the one of torch's fused RMSNorm."""
+    if rounds_before_weight:
+        return torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+    return torch.ops.aten._fused_rms_norm(x, [x.shape[-1]], None, eps)[1].reshape(*x.shape[:-1], 1)
+
+
+def from_statistics(x, r, weight, rounds_before_weight):
+    """The norm's products on its ``r``, as the pass writes them in the graph."""
+    if rounds_before_weight:
+        out = (x.float() * r).to(x.dtype)
+        return out if weight is None else out * weight
+    return (x.float() * r * (1 if weight is None else weight.float())).to(x.dtype)
 
 
 @pytest.mark.parametrize("weighted", [True, False])
@@ -28,6 +44,9 @@ def test_the_op_is_the_eager_spelling_bit_for_bit(rounds_before_weight, weighted
     expected = native(x, weight, 1e-6) if rounds_before_weight else F.rms_norm(x, (16,), weight, 1e-6)
     got = eager_rms_norm(x, weight, 1e-6, rounds_before_weight)
     assert got.is_contiguous() and got.dtype == x.dtype and torch.equal(got, expected)
+    r = eager_rms_norm_rstd(x, 1e-6, rounds_before_weight)
+    assert r.dtype == torch.float32 and torch.equal(r, eager_rstd(x, 1e-6, rounds_before_weight))
+    assert torch.equal(from_statistics(x, r, weight, rounds_before_weight), expected)
 
 
 @pytest.mark.parametrize("rounds_before_weight", [False, True], ids=["nn.RMSNorm", "native"])
@@ -38,6 +57,9 @@ def test_opcheck(rounds_before_weight):
         for op in (torch.ops.h3_fused.eager_rms_norm.default, torch.ops.h3_fused.eager_kernels_rms_norm.default):
             torch.library.opcheck(op, (x, w, 1e-5, rounds_before_weight),
                                   test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
+    for op in (torch.ops.h3_fused.eager_rms_norm_rstd.default, torch.ops.h3_fused.eager_kernels_rms_norm_rstd.default):
+        torch.library.opcheck(op, (x, 1e-5, rounds_before_weight),
+                              test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
 
 
 def eager_spelling(x, weight, eps, rounds_before_weight):
@@ -58,7 +80,11 @@ def test_on_cuda_the_forward_kernel_computes_the_norm_bit_for_bit(hidden, rows, 
     weight = (1 + 0.1 * torch.randn(hidden, generator=g, device="cuda")).to(bf16) if weighted else None
     assert kernel_args(x, weight, 1e-5, rounds_before_weight) is not None, "the order is reproduced here"
     got = eager_rms_norm(x, weight, 1e-5, rounds_before_weight)
-    assert torch.equal(got, eager_spelling(x, weight, 1e-5, rounds_before_weight))
+    expected = eager_spelling(x, weight, 1e-5, rounds_before_weight)
+    assert torch.equal(got, expected)
+    r = eager_rms_norm_rstd(x, 1e-5, rounds_before_weight)  # the kernel storing its statistics alone
+    assert torch.equal(r, eager_rstd(x, 1e-5, rounds_before_weight))
+    assert torch.equal(from_statistics(x, r, weight, rounds_before_weight), expected)
 
 
 @pytest.mark.gpu
@@ -73,6 +99,9 @@ def test_on_cuda_eagers_ops_compute_the_norms_the_kernel_does_not_reproduce(case
     assert kernel_args(x, weight, 1e-5, rounds_before_weight) is None
     got = eager_rms_norm(x, weight, 1e-5, rounds_before_weight)
     assert torch.equal(got, torch.ops.h3_fused.eager_kernels_rms_norm(x, weight, 1e-5, rounds_before_weight))
+    if weight.dtype == x.dtype:  # the statistics alone: the same cases but the weight's (which takes no part)
+        assert kernel_args(x, None, 1e-5, rounds_before_weight, stores_rstd=True) is None
+        assert torch.equal(eager_rms_norm_rstd(x, 1e-5, rounds_before_weight), eager_rstd(x, 1e-5, rounds_before_weight))
 
 
 @pytest.mark.gpu
@@ -82,6 +111,7 @@ def test_opcheck_on_cuda():
     for rounds_before_weight in (False, True):
         for rows in (x, x.transpose(0, 1)):  # read in place, the output laid out as the rows
             torch.library.opcheck(torch.ops.h3_fused.eager_rms_norm.default, (rows, weight, 1e-5, rounds_before_weight))
+            torch.library.opcheck(torch.ops.h3_fused.eager_rms_norm_rstd.default, (rows, 1e-5, rounds_before_weight))
 
 
 @pytest.mark.parametrize("layout, order", [

@@ -6,7 +6,7 @@ its few rows, for ``FEW_ROWS`` rows and for many rows (so the 8- and 4-warp buil
 their table chunks preloaded and not, are all run), and each once more warming the coming table rows one row
 ahead (the shipped distance never reaches past these sizes), where site B also runs with an fp32 gate table
 and bf16 shift and scale (the warming reads the gate row with a load of its own); and the plain RMSNorm
-(``eager_rms_norm``'s kernel) at the same sizes.
+(``eager_rms_norm``'s kernel) and its statistics alone (``eager_rms_norm_rstd``'s) at the same sizes.
 """
 
 import dataclasses
@@ -66,3 +66,11 @@ def test_the_plain_rms_norm_at_the_edge_sizes_matches_eagers_ops(hidden):
         assert not y.isnan().any(), (tokens, weighted, native)
         assert (y != expected).float().mean() <= 1e-3 + 1 / y.numel(), (tokens, weighted, native)
         torch.testing.assert_close(y, expected, rtol=2 ** -7, atol=2 ** -7 * expected.abs().max().item())
+        if not weighted:  # the statistics alone: one fp32 r a row, nothing written beyond them
+            a = check_args(x=x, eps=1e-5, policy="bf16", norm_rounds_before_weight=native, has_norm=True,
+                           stores_rstd=True)
+            r = torch.full((tokens + 1, 1), float("nan"), device="cuda")
+            launch_modulation(a, None, r[:tokens], lambda kernel: kernel)
+            assert not r[:tokens].isnan().any() and r[tokens].isnan(), (tokens, native)
+            torch.testing.assert_close(r[:tokens], torch.ops.h3_fused.eager_kernels_rms_norm_rstd(x, 1e-5, native),
+                                       rtol=1e-6, atol=0)

@@ -79,6 +79,30 @@ def test_a_plain_rms_norm_matches_its_spelling(hidden, weighted, native):
     same_but_for_sum_order(y, torch.ops.h3_fused.eager_kernels_rms_norm(x, weight, 1e-5, native))
 
 
+@pytest.mark.parametrize("hidden", [4, 64, 101, 128, 200])
+@pytest.mark.parametrize("native", [False, True])
+def test_a_plain_rms_norm_stores_its_statistics_alone(hidden, native):
+    """``stores_rstd`` (what ``eager_rms_norm_rstd`` launches on CUDA): each row's ``r`` in fp32, nothing else
+    written; held to the spelling's eager ops on the CPU (whose sum has its own order), and the norm applied
+    from it as the pass applies it, ``R(x32 * r)``, to the kernel's own norm."""
+    x, _, _, _, _ = site_inputs(40, hidden)
+    a = check_args(x=x, eps=1e-5, policy="bf16", norm_rounds_before_weight=native, has_norm=True, stores_rstd=True)
+    r = torch.full((40, 1), float("nan"))
+    launch.launch_modulation(a, None, r, lambda kernel: kernel)
+    torch.testing.assert_close(r, torch.ops.h3_fused.eager_kernels_rms_norm_rstd(x, 1e-5, native), rtol=2e-7, atol=0)
+    plain = check_args(x=x, eps=1e-5, policy="bf16", norm_rounds_before_weight=native, has_norm=True)
+    y = torch.empty(plain.out_shape, dtype=plain.dtype)
+    launch.launch_modulation(plain, None, y, lambda kernel: kernel)
+    assert torch.equal((x.float() * r).to(bf16), y)
+
+
+def test_only_a_plain_rms_norm_without_weight_stores_its_statistics():
+    x, _, w, t, idx = site_inputs(4, 8)
+    for kwargs in (dict(weight=w), dict(shift=t[0], scale=t[1], index=idx), dict(norm="layer")):
+        with pytest.raises(ValueError, match="stores_rstd"):
+            check_args(x=x, eps=1e-5, policy="bf16", has_norm=True, stores_rstd=True, **kwargs)
+
+
 @pytest.mark.parametrize("hidden", [1, 31, 64, 101, 200])
 @pytest.mark.parametrize("tokens", [1, 33])
 @pytest.mark.parametrize("policy", ["bf16", "fp32"])
