@@ -87,6 +87,11 @@ def test_each_norm_sum_order_compiles_at_the_edge_widths(site, native):
     than it), 128 (the native order's first in vectors), 8,196 (past its widest: the kernel's own order)."""
     for hidden in (4, 12, 16, 64, 128, 8196):
         assert compile_site(site, "bf16", hidden, native=native).asm["ptx"]
+        if site == "A":  # a plain norm storing its statistics alone (``eager_rms_norm_rstd``): no tables, no y
+            plain = dict(HAS_AFFINE=False, HAS_WEIGHT=False, PRELOAD_TABLE_CHUNKS=False, WARM_TABLES_FIRST=False,
+                         WARM_ROWS_AHEAD=0, STORE_RSTD=True)
+            ptx = compile_site(site, "bf16", hidden, native=native, constants=plain).asm["ptx"]
+            assert len(re.findall(r"\bst\.global\.", ptx)) == 1, "one store: r"
 
 
 @pytest.mark.parametrize("site", ["A", "B"])
