@@ -15,6 +15,7 @@ whose output stays fp32 are left to Inductor.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -77,6 +78,9 @@ STATISTICS_ALONE_ON = ("cuda",)
 
 
 def _is_view(node: Node) -> bool:
+    """A view op (its result aliases its input: ``view``, ``permute``, ``unbind``, ...), or an item of one's list."""
+    if node.target is operator.getitem:
+        return True
     schema = getattr(node.target, "_schema", None)
     return bool(schema and schema.returns and schema.returns[0].alias_info and not schema.is_mutable)
 
@@ -85,9 +89,10 @@ def read_elementwise(node: Node) -> bool:
     """Whether an elementwise op (``torch.Tag.pointwise``, or a ``cat`` or ``stack`` of such values) reads
     ``node``, directly or through views: where Inductor would fuse the norm's products into the reader."""
     for user in node.users:
-        if user.op != "call_function" or not hasattr(user.target, "tags"):
+        if user.op != "call_function":
             continue
-        if torch.Tag.pointwise in user.target.tags or user.target in (aten.cat.default, aten.stack.default):
+        if torch.Tag.pointwise in getattr(user.target, "tags", ()) or user.target in (aten.cat.default,
+                                                                                       aten.stack.default):
             return True
         if _is_view(user) and read_elementwise(user):
             return True

@@ -72,6 +72,23 @@ def test_every_site_fuses_and_bf16_computes_what_eager_computes(name, mode):
 
 
 @pytest.mark.slow
+def test_the_norms_the_rotary_embedding_reads_keep_only_their_statistics_in_an_op(monkeypatch, h3_fused_log):
+    """Wan by blocks, the CPU let in where the pass does this on CUDA: the self-attention's q/k norms, which the
+    rotary embedding reads (through ``unflatten`` and ``unbind``), become ``eager_rms_norm_rstd`` and their products;
+    the cross-attention's, which the attention reads, stay whole ``eager_rms_norm`` ops; the output eager's."""
+    from h3_fused.patterns import norms
+
+    monkeypatch.setattr(norms, "STATISTICS_ALONE_ON", ("cuda", "cpu"))
+    with torch._inductor.config.patch(fx_graph_cache=False):  # the patched constant is not in the pass's uuid
+        r = compare("wan", "cpu", real=False, policy="bf16", regional=True)
+    kept = [m.getMessage() for m in h3_fused_log if "computed as eager computes it" in m.getMessage()]
+    assert sum("eager_rms_norm_rstd" in m for m in kept) == 2 and sum("(h3_fused::eager_rms_norm)" in m for m in kept) == 2
+    assert tuple(r["sites"].values()) == REGIONAL["wan"] and r["refused"] == 0
+    if inductor_matches_eager_on_cpu():
+        assert r["equal"], r
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["wan"])
 def test_the_fp32_policy_fuses_the_same_sites_within_its_bound(name):
     """Wan by blocks (the norm of the fp32 upcast, fp32 rows) under ``fp32``: the sites ``bf16`` fuses."""
