@@ -47,10 +47,10 @@ REGIONAL = {
 # time): Qwen-Image and SD3 are Qwen-Image-Edit's and SD3.5's classes, whose configs run their modulation forms too
 # (Qwen-Image-Edit's text stream has rows per sample; SD3.5's context stream the plain AdaLayerNormZero), and
 # HunyuanVideo's whole graph joins its blocks and norm_out as Flux's does (its blocks by blocks here), and LTX-Video's
-# blocks with rows per token run in its whole graph (every model both ways at real dims on the GPU: .ci/gpu's family
-# stage)
+# blocks with rows per token run in its whole graph, and Wan's blocks run with its norms' statistics route (below)
+# (every model both ways at real dims on the GPU: .ci/gpu's family stage)
 LEFT_TO_OTHERS = {("qwen_image", "whole"), ("qwen_image", "regional"), ("sd3", "whole"), ("sd3", "regional"),
-                  ("hunyuan_video", "whole"), ("ltx_video_per_token", "regional")}
+                  ("hunyuan_video", "whole"), ("ltx_video_per_token", "regional"), ("wan", "regional")}
 BF16_CASES = [(name, mode) for name in MODELS for mode in ("whole", "regional") if (name, mode) not in LEFT_TO_OTHERS]
 
 
@@ -75,7 +75,8 @@ def test_every_site_fuses_and_bf16_computes_what_eager_computes(name, mode):
 def test_the_norms_the_rotary_embedding_reads_keep_only_their_statistics_in_an_op(monkeypatch, h3_fused_log):
     """Wan by blocks, the CPU let in where the pass does this on CUDA: the self-attention's q/k norms, which the
     rotary embedding reads (through ``unflatten`` and ``unbind``), become ``eager_rms_norm_rstd`` and their products;
-    the cross-attention's, which the attention reads, stay whole ``eager_rms_norm`` ops; the output eager's."""
+    the cross-attention's, which the attention reads, stay whole ``eager_rms_norm`` ops; every site fuses, none is
+    refused, and the output is eager's."""
     from h3_fused.patterns import norms
 
     monkeypatch.setattr(norms, "STATISTICS_ALONE_ON", ("cuda", "cpu"))

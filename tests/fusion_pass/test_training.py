@@ -105,7 +105,7 @@ def test_activation_checkpointing_keeps_working_and_saves_less():
     """With each block under checkpoint, the compiled forward saves fewer tensors for the backward, and output and
     gradients are those of the same model compiled without it, bit for bit where Inductor keeps eager's
     roundings on the CPU (else the two graphs' code rounds apart: held to the policy's bounds)."""
-    model, latents, layout = tiny(inline_attention=True, num_blocks=2)
+    model, latents, layout = tiny(inline_attention=True, num_blocks=1)
     saved, results = {}, {}
     for use in (False, True):
         torch._dynamo.reset()
@@ -119,7 +119,7 @@ def test_activation_checkpointing_keeps_working_and_saves_less():
             fn = torch.compile(CheckpointedBlocks(model, use), backend="h3_fused", options={"dtype_policy": "bf16"})
             results[use] = train_step(fn, model, latents, layout)
         saved[use] = outputs[0]  # the forward graph's outputs: the result and what it saves for the backward
-        assert counters["h3_fused"]["gate_norm_modulate"] >= 3
+        assert counters["h3_fused"]["gate_norm_modulate"] >= 1
     (plain, plain_grads), (got, grads) = results[False], results[True]
     if inductor_matches_eager_on_cpu():
         assert torch.equal(got, plain) and all(torch.equal(grads[k], plain_grads[k]) for k in grads)
