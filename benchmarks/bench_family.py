@@ -17,16 +17,28 @@
    (``device_ms``: h3_fused's, Inductor's, matmuls, attention, other; ``total``: what the GPU spent, against
    ``ms``, what the call took), and whether the output is eager's bit for bit (``equal``; ``mismatch``: the
    share of elements that differ).
+3. ``norms``: each model's q/k norm (``NORMS``: its input's shape and layout, its spelling) as eager computes it, as
+   Inductor + ``emulate_precision_casts`` compiles it alone, as ``eager_rms_norm`` (the whole norm, our kernel) and
+   as ``eager_rms_norm_rstd`` (its statistics alone: the price of eager's bits where the rotary embedding reads the
+   norm), the statistics also in each launch configuration of ``STATISTICS_CONFIGS``, beside a copy of the bytes
+   each must move (``us_graph``, ``roof_share`` against the copy of the norm's input and output, or of the input and
+   ``r``; ``equal``: eager's bits).
 One JSON list of rows in ``--out`` (overwritten after each model).
 """
 
 from __future__ import annotations
 
+import functools
 import gc
 import os
 import sys
 
 import torch
+import torch.nn.functional as F
+from h3_fused.kernels import eager_rms_norm, eager_rms_norm_rstd
+from h3_fused.kernels.arguments import check_args
+from h3_fused.kernels.eager_norm import memory_order
+from h3_fused.kernels.launch import LaunchConfig, launch_modulation
 from h3_fused.kernels.testing import (
     TABLE_PLUS_ROWS,
     FamilyForm,
@@ -62,6 +74,18 @@ SITE_VARIANTS = {  # name -> (backend, options); None: eager
     "inductor_epc": ("inductor", {"emulate_precision_casts": True}),
     "h3_fused_bf16": ("h3_fused", {"dtype_policy": "bf16"}),
 }
+NORMS = {  # model: its image stream's q/k norm input [B, T, heads, D] (or [B, T, H]), transposed to [B, heads, T, D]
+    # where the model norms it so, and whether its spelling is diffusers' RMSNorm (native: the mean's order)
+    "flux": ((2, 4096, 24, 128), False, False),
+    "wan": ((2, 4096, 5120), False, False),
+    "hunyuan_video": ((2, 3872, 24, 128), True, True),
+    "qwen_image": ((2, 4096, 24, 128), False, True),
+    "sd3_5": ((2, 4096, 38, 64), True, True),
+}
+# the statistics alone launched otherwise than the shipped configuration, where the mean's order reads rows of one
+# chunk (H = 128): several rows a program
+STATISTICS_CONFIGS = {"rows16_w4": LaunchConfig(16, 128, 4, warm_rows_ahead=0),
+                      "rows4_w2": LaunchConfig(4, 128, 2, warm_rows_ahead=0)}
 BLOCK_VARIANTS = {
     **{k: SITE_VARIANTS[k] for k in ("eager", "inductor_epc", "h3_fused_bf16")},
     # the price of eager's bits outside the sites: the q/k norms and LayerNorms with their bias left to Inductor,
@@ -171,9 +195,56 @@ def blocks_part(models, rows: list, save) -> None:
             save()
 
 
+def native_rms_norm(x, weight, eps):
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
+
+
+def norms_part(models, rows: list, save) -> None:
+    roof = copy_bandwidth()
+    for model in [m for m in models if m in NORMS]:
+        shape, transposed, native = NORMS[model]
+        fresh()
+        x = torch.randn(shape, device="cuda").to(torch.bfloat16)
+        x = x.transpose(1, 2) if transposed else x
+        weight = (1 + 0.1 * torch.randn(shape[-1], device="cuda")).to(torch.bfloat16)
+        eager = (lambda x: native_rms_norm(x, weight, 1e-6)) if native else (
+            lambda x: F.rms_norm(x, (shape[-1],), weight, 1e-6))
+        expected, expected_r = eager(x), eager_rms_norm_rstd(x, 1e-6, native)
+        order = memory_order(x) if transposed else list(range(x.dim()))
+        a = check_args(x=x.permute(order), eps=1e-6, policy="bf16", norm_rounds_before_weight=native, has_norm=True,
+                       stores_rstd=True)  # the rows in the order of their memory, as the op reads them
+        r, expected_rows = torch.empty(a.rows, 1, device="cuda"), expected_r.permute(order).reshape(-1, 1)
+
+        def launched(config):
+            return lambda: launch_modulation(a, None, r, lambda kernel: kernel, config)
+
+        calls = {"eager": (lambda: eager(x), "norm"),
+                 "inductor_epc": (functools.partial(torch.compile(eager, options={"emulate_precision_casts": True},
+                                                                  dynamic=False), x), "norm"),
+                 "eager_rms_norm": (lambda: eager_rms_norm(x, weight, 1e-6, native), "norm"),
+                 "eager_rms_norm_rstd": (lambda: eager_rms_norm_rstd(x, 1e-6, native), "statistics"),
+                 **{f"statistics_{name}": (launched(config), "statistics") for name, config in STATISTICS_CONFIGS.items()
+                    if native and shape[-1] == 128}}
+        moved = {"norm": 2 * x.numel() * 2, "statistics": x.numel() * 2 + expected_r.numel() * 4}
+        copies = {what: copy_same_bytes_ms(n) for what, n in moved.items()}
+        for name, (call, what) in calls.items():
+            got = call()
+            same = torch.equal(r, expected_rows) if name.startswith("statistics_") else torch.equal(
+                got, expected if what == "norm" else expected_r)
+            ms = graph_ms(call)
+            rows.append(dict(part="norms", model=model, shape=list(shape), transposed=transposed, native=native,
+                             variant=name, output=what, us_graph=ms * 1e3, copy_us=copies[what] * 1e3,
+                             roof_share=moved[what] / ms / 1e6 / roof, equal=same))
+            print(f"{model:13s} {name:30s} {ms * 1e3:8.1f} us (copy of its bytes {copies[what] * 1e3:7.1f} us) "
+                  f"equal {same}", flush=True)
+        save()
+
+
 def main():
     link_libdevice_first()
-    run_parts(__doc__, "benchmarks/results/family.json", {"sites": sites_part, "blocks": blocks_part}, list(MODELS))
+    run_parts(__doc__, "benchmarks/results/family.json",
+              {"sites": sites_part, "blocks": blocks_part, "norms": norms_part}, list(MODELS))
 
 
 if __name__ == "__main__":
