@@ -210,7 +210,7 @@ def norms_part(models, rows: list, save) -> None:
         weight = (1 + 0.1 * torch.randn(shape[-1], device="cuda")).to(torch.bfloat16)
         eager = (lambda x: native_rms_norm(x, weight, 1e-6)) if native else (
             lambda x: F.rms_norm(x, (shape[-1],), weight, 1e-6))
-        expected, expected_r = eager(x), eager_rms_norm_rstd(x, 1e-6, native)
+        expected, expected_r = eager(x), torch.ops.h3_fused.eager_kernels_rms_norm_rstd(x, 1e-6, native)  # eager's r
         order = memory_order(x) if transposed else list(range(x.dim()))
         a = check_args(x=x.permute(order), eps=1e-6, policy="bf16", norm_rounds_before_weight=native, has_norm=True,
                        stores_rstd=True)  # the rows in the order of their memory, as the op reads them
