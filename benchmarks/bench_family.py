@@ -34,7 +34,6 @@ import os
 import sys
 
 import torch
-import torch.nn.functional as F
 from h3_fused.kernels import eager_rms_norm, eager_rms_norm_rstd
 from h3_fused.kernels.arguments import check_args
 from h3_fused.kernels.eager_norm import memory_order
@@ -42,6 +41,7 @@ from h3_fused.kernels.launch import LaunchConfig, launch_modulation
 from h3_fused.kernels.testing import (
     TABLE_PLUS_ROWS,
     FamilyForm,
+    eager_norm,
     family_eager_site,
     family_fused_site,
     family_inputs,
@@ -195,11 +195,6 @@ def blocks_part(models, rows: list, save) -> None:
             save()
 
 
-def native_rms_norm(x, weight, eps):
-    x32 = x.float()
-    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
-
-
 def norms_part(models, rows: list, save) -> None:
     roof = copy_bandwidth()
     for model in [m for m in models if m in NORMS]:
@@ -208,8 +203,7 @@ def norms_part(models, rows: list, save) -> None:
         x = torch.randn(shape, device="cuda").to(torch.bfloat16)
         x = x.transpose(1, 2) if transposed else x
         weight = (1 + 0.1 * torch.randn(shape[-1], device="cuda")).to(torch.bfloat16)
-        eager = (lambda x: native_rms_norm(x, weight, 1e-6)) if native else (
-            lambda x: F.rms_norm(x, (shape[-1],), weight, 1e-6))
+        eager = functools.partial(eager_norm, weight=weight, eps=1e-6, native=native)
         expected, expected_r = eager(x), torch.ops.h3_fused.eager_kernels_rms_norm_rstd(x, 1e-6, native)  # eager's r
         order = memory_order(x) if transposed else list(range(x.dim()))
         a = check_args(x=x.permute(order), eps=1e-6, policy="bf16", norm_rounds_before_weight=native, has_norm=True,

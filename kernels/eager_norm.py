@@ -103,6 +103,23 @@ def memory_order(x: Tensor) -> list[int] | None:
     return order if order[-1] == x.dim() - 1 and x.permute(order).is_contiguous() else None
 
 
+def _launched_in_memory_order(x: Tensor, weight: Tensor | None, eps: float, rounds_before_weight: bool,
+                              stores_rstd: bool) -> Tensor | None:
+    """The forward kernel's plain RMSNorm of ``x`` (``stores_rstd``: its fp32 ``r``, ``[..., 1]``), the rows of a
+    dense ``x`` read in the order of its memory and the output laid out as ``x``; None where ``kernel_args`` says
+    the kernel does not reproduce eager's order."""
+    order = memory_order(x)
+    rows = x if order is None else x.permute(order)
+    a = kernel_args(rows, weight, eps, rounds_before_weight, stores_rstd=stores_rstd)
+    if a is None:
+        return None
+    out = (torch.empty((*rows.shape[:-1], 1), dtype=torch.float32, device=a.device) if stores_rstd
+           else torch.empty(a.out_shape, dtype=a.dtype, device=a.device))
+    with launch_context(a.device, (x, weight, eps, rounds_before_weight)) as wrap:
+        launch_modulation(a, None, out, wrap)
+    return out if order is None else out.permute(sorted(range(x.dim()), key=order.__getitem__))
+
+
 @triton_op("h3_fused::eager_rms_norm", mutates_args=())
 def eager_rms_norm(x: Tensor, weight: Tensor | None, eps: float, rounds_before_weight: bool) -> Tensor:
     """RMSNorm of ``x`` over its last dim, ``r = rsqrt(mean(x32^2) + eps)`` (``x32`` = ``x`` in fp32), bit for bit
@@ -112,14 +129,8 @@ def eager_rms_norm(x: Tensor, weight: Tensor | None, eps: float, rounds_before_w
     ``eager_kernels_rms_norm`` (its output contiguous). The kernel reads a dense ``x``'s rows in the order of its
     memory and lays the output out as ``x`` (as the eager spelling's is), so a transposed ``x`` is not copied;
     any other layout is read from a contiguous copy into a contiguous output."""
-    order = memory_order(x)
-    a = kernel_args(x if order is None else x.permute(order), weight, eps, rounds_before_weight)
-    if a is None:
-        return eager_kernels_rms_norm(x, weight, eps, rounds_before_weight)
-    y = torch.empty(a.out_shape, dtype=a.dtype, device=a.device)
-    with launch_context(a.device, (x, weight, eps, rounds_before_weight)) as wrap:
-        launch_modulation(a, None, y, wrap)
-    return y if order is None else y.permute(sorted(range(x.dim()), key=order.__getitem__))
+    y = _launched_in_memory_order(x, weight, eps, rounds_before_weight, stores_rstd=False)
+    return eager_kernels_rms_norm(x, weight, eps, rounds_before_weight) if y is None else y
 
 
 @torch.library.custom_op("h3_fused::eager_kernels_rms_norm_rstd", mutates_args=())
@@ -147,12 +158,5 @@ def eager_rms_norm_rstd(x: Tensor, eps: float, rounds_before_weight: bool) -> Te
     (the weight takes no part). The forward kernel storing ``r`` where ``kernel_args`` says it reproduces eager's
     order (a dense ``x``'s rows read in the order of its memory, ``r`` laid out as ``x``'s rows), else
     ``eager_kernels_rms_norm_rstd``."""
-    order = memory_order(x)
-    rows = x if order is None else x.permute(order)
-    a = kernel_args(rows, None, eps, rounds_before_weight, stores_rstd=True)
-    if a is None:
-        return eager_kernels_rms_norm_rstd(x, eps, rounds_before_weight)
-    r = torch.empty((*rows.shape[:-1], 1), dtype=torch.float32, device=a.device)
-    with launch_context(a.device, (x, eps, rounds_before_weight)) as wrap:
-        launch_modulation(a, None, r, wrap)
-    return r if order is None else r.permute(sorted(range(x.dim()), key=order.__getitem__))
+    r = _launched_in_memory_order(x, None, eps, rounds_before_weight, stores_rstd=True)
+    return eager_kernels_rms_norm_rstd(x, eps, rounds_before_weight) if r is None else r
